@@ -1,0 +1,39 @@
+# The README's two commands: `make demo` and `make test`. Each creates or refreshes .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: env demo test test-unit test-vllm test-e2e lint format bench clean
+
+env:
+	@bash scripts/setup_env.sh
+
+demo: env
+	@$(PY) -m verl.trainer.demo
+
+test: env
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-unit: env
+	$(PY) -m pytest -q -m "not vllm and not e2e and not gpu" $(PYTEST_ARGS)
+
+test-vllm: env
+	$(PY) -m pytest -q -m vllm $(PYTEST_ARGS)
+
+test-e2e: env
+	$(PY) -m pytest -q -m e2e $(PYTEST_ARGS)
+
+lint: env
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: env
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+bench: env
+	$(PY) benchmarks/bench_core_algos.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

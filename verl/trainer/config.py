@@ -1,0 +1,294 @@
+"""PPO/GRPO configuration (EasyR1 style): nested dataclasses merged with OmegaConf.
+
+Merge order: structured defaults <- YAML (`config=path.yaml`) <- CLI dot-list
+(`worker.rollout.n=8`). `load_config` then runs the one post-init pass (`PPOConfig.post_init`)
+that fills derived ("auto") keys and validates everything, so a bad value fails in one line that
+names the key, the value and the valid choices, before Ray or any engine starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from verl.trainer.core_algos.advantage import ADV_ESTIMATORS, needs_sum_pi_squared
+from verl.trainer.core_algos.kl import KL_ESTIMATORS
+from verl.trainer.core_algos.offpolicy import RATIO_LEVELS
+from verl.utils.config_checks import ConfigError, check_choice, check_range, fail
+from verl.workers.config import WorkerConfig
+
+
+@dataclass
+class DataConfig:
+    """Prompts and answers."""
+
+    train_files: str = ""
+    """Training data: jsonl/parquet path, a local `datasets` folder, or `name@split`."""
+    val_files: str = ""
+    """Validation data, same forms as train_files."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt."""
+    answer_key: str = "answer"
+    """Column holding the ground truth."""
+    format_prompt: str | None = None
+    """Template file applied to each prompt (None: chat template only)."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens; longer ones are filtered (and counted)."""
+    max_response_length: int = 512
+    """Longest response in tokens."""
+    rollout_batch_size: int = 512
+    """Prompts per training step."""
+    val_batch_size: int = -1
+    """Prompts per validation batch (-1: all at once)."""
+    shuffle: bool = True
+    """Shuffle training prompts each epoch."""
+    seed: int = 1
+    """Data-order seed."""
+    filter_overlong_prompts: bool = True
+    """Drop prompts longer than max_prompt_length instead of refusing the run."""
+
+    def validate(self, prefix: str) -> None:
+        """Fail fast on bad values."""
+        check_range(f"{prefix}.max_prompt_length", self.max_prompt_length, 1)
+        check_range(f"{prefix}.max_response_length", self.max_response_length, 1)
+        check_range(f"{prefix}.rollout_batch_size", self.rollout_batch_size, 1)
+        if self.val_batch_size != -1:
+            check_range(f"{prefix}.val_batch_size", self.val_batch_size, 1)
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantages, KL and the off-policy corrections (DESIGN.md §4)."""
+
+    adv_estimator: str = "grpo"
+    """Advantage estimator, a name of the estimator registry."""
+    gamma: float = 1.0
+    """Discount of REINFORCE++ returns."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO divides by the group std (False: Dr. GRPO)."""
+    adv_epsilon: float = 1e-6
+    """ε of the GRPO std normalisation."""
+    otb_epsilon: float = 1e-8
+    """ε of the OTB baseline denominator."""
+    otb_handle_zero_tail: bool = True
+    """OTB: no baseline where only one sample of the group is still alive."""
+    disable_kl: bool = False
+    """No KL term at all (no reference model)."""
+    use_kl_loss: bool = True
+    """KL as a loss term (True) or as a penalty in the reward (False)."""
+    kl_penalty: str = "k3"
+    """KL estimator, a name of the KL registry."""
+    kl_coef: float = 1e-2
+    """KL coefficient β."""
+    importance_clamp_min: float = 0.0
+    """Lower truncation of the importance weight π_old/μ."""
+    importance_clamp_max: float = 2.0
+    """Upper truncation of the importance weight π_old/μ (TIS threshold)."""
+    importance_detach: bool = True
+    """Treat the importance weight as a constant in the loss."""
+    tis_level: str = "auto"
+    """Truncated IS level: token, sequence, geometric, none, or auto (token with guidance, else none)."""
+    mis_level: str = "none"
+    """Masked IS: drop tokens/responses whose ratio leaves [mis_threshold_lower, mis_threshold_upper]."""
+    mis_threshold_lower: float = 0.5
+    """Lower bound of the masked-IS band."""
+    mis_threshold_upper: float = 2.0
+    """Upper bound of the masked-IS band."""
+    geometric_mask: bool = False
+    """Drop responses whose geometric-mean ratio exp(mean log π_old/μ) leaves the band below."""
+    geometric_mask_lower: float = 0.5
+    """Lower bound of the geometric-mean ratio."""
+    geometric_mask_upper: float = 2.0
+    """Upper bound of the geometric-mean ratio."""
+    opsm_delta: float | None = None
+    """OPSM: drop responses with A < 0 and mean log(μ/π_θ) > δ (None: off)."""
+    mismatch_forced_threshold: float = -0.01
+    """Tokens sampled with log-prob above this are 'forced' and left out of mismatch KLs."""
+
+    def validate(self, prefix: str) -> None:
+        """Fail fast on bad values."""
+        check_choice(f"{prefix}.adv_estimator", self.adv_estimator, ADV_ESTIMATORS.names())
+        check_choice(f"{prefix}.kl_penalty", self.kl_penalty, KL_ESTIMATORS.names())
+        check_choice(f"{prefix}.tis_level", self.tis_level, ["auto", "none", *RATIO_LEVELS.names()])
+        check_choice(f"{prefix}.mis_level", self.mis_level, ["none", *RATIO_LEVELS.names()])
+        check_range(f"{prefix}.gamma", self.gamma, 0.0, 1.0)
+        check_range(f"{prefix}.kl_coef", self.kl_coef, 0.0)
+        check_range(f"{prefix}.importance_clamp_min", self.importance_clamp_min, 0.0)
+        if self.importance_clamp_min > self.importance_clamp_max:
+            fail(f"{prefix}.importance_clamp_min", self.importance_clamp_min,
+                 f"must not exceed {prefix}.importance_clamp_max={self.importance_clamp_max}")  # fmt: skip
+        for name in ("mis_threshold", "geometric_mask"):
+            low, high = getattr(self, f"{name}_lower"), getattr(self, f"{name}_upper")
+            check_range(f"{prefix}.{name}_lower", low, 0.0, low_open=True)
+            if low > high:
+                fail(f"{prefix}.{name}_lower", low, f"must not exceed {prefix}.{name}_upper={high}")
+        if self.opsm_delta is not None:
+            check_range(f"{prefix}.opsm_delta", self.opsm_delta, 0.0)
+
+
+@dataclass
+class TrainerConfig:
+    """The training run: length, logging, validation, checkpoints, cluster shape."""
+
+    total_epochs: int = 1
+    """Passes over the training data."""
+    max_steps: int | None = None
+    """Stop after this many steps (None: total_epochs decides)."""
+    project_name: str = "easy_r1"
+    """Logger project."""
+    experiment_name: str = "demo"
+    """Logger run name."""
+    logger: list[str] = field(default_factory=lambda: ["console", "file"])
+    """Loggers: console, file, wandb, tensorboard."""
+    nnodes: int = 1
+    """Nodes in the Ray cluster."""
+    n_gpus_per_node: int = 1
+    """Workers per node (GPUs, or CPU workers when no GPU is present)."""
+    device: str = "auto"
+    """auto (cuda when available), cuda or cpu."""
+    val_freq: int = -1
+    """Validate every N steps (-1: never)."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    val_only: bool = False
+    """Only validate, do not train."""
+    val_generations_to_log: int = 0
+    """Validation samples printed/logged per validation."""
+    save_freq: int = -1
+    """Checkpoint every N steps (-1: only at the end)."""
+    save_limit: int = -1
+    """Keep only the last N checkpoints (-1: all)."""
+    save_checkpoint_path: str | None = None
+    """Checkpoint folder (None: checkpoints/<project>/<experiment>)."""
+    resume: str = "auto"
+    """auto (latest checkpoint if any), none, or a checkpoint path."""
+
+    def validate(self, prefix: str) -> None:
+        """Fail fast on bad values."""
+        check_range(f"{prefix}.total_epochs", self.total_epochs, 1)
+        check_range(f"{prefix}.nnodes", self.nnodes, 1)
+        check_range(f"{prefix}.n_gpus_per_node", self.n_gpus_per_node, 1)
+        check_choice(f"{prefix}.device", self.device, ["auto", "cuda", "cpu"])
+        if self.max_steps is not None:
+            check_range(f"{prefix}.max_steps", self.max_steps, 1)
+        for name in self.logger:
+            check_choice(f"{prefix}.logger", name, ["console", "file", "wandb", "tensorboard"])
+
+
+@dataclass
+class PPOConfig:
+    """The whole configuration of a run."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Data."""
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    """Actor, reference, rollout, reward."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages, KL and off-policy corrections."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Run length, logging, checkpoints."""
+
+    def post_init(self) -> PPOConfig:
+        """The one pass that fills derived keys, then validates every section. Returns self."""
+        algo, actor, rollout = self.algorithm, self.worker.actor, self.worker.rollout
+        guidance = rollout.offpolicy_guidance
+        rollout.prompt_length = self.data.max_prompt_length
+        rollout.response_length = self.data.max_response_length
+        if algo.tis_level == "auto":
+            algo.tis_level = "token" if guidance.enable else "none"
+        actor.use_kl_loss = algo.use_kl_loss and not algo.disable_kl
+        actor.kl_penalty, actor.kl_coef = algo.kl_penalty, algo.kl_coef
+        actor.importance_clamp_min, actor.importance_clamp_max = (
+            algo.importance_clamp_min,
+            algo.importance_clamp_max,
+        )
+        actor.importance_detach, actor.opsm_delta = algo.importance_detach, algo.opsm_delta
+        if self.trainer.save_checkpoint_path is None:
+            self.trainer.save_checkpoint_path = os.path.join(
+                "checkpoints", self.trainer.project_name, self.trainer.experiment_name
+            )
+        self.validate()
+        return self
+
+    def validate(self) -> None:
+        """Check every section, then the rules that span sections."""
+        self.data.validate("data")
+        self.worker.validate("worker")
+        self.algorithm.validate("algorithm")
+        self.trainer.validate("trainer")
+        if (
+            needs_sum_pi_squared(self.algorithm.adv_estimator)
+            and not self.worker.actor.calculate_sum_pi_squared
+        ):
+            fail("worker.actor.calculate_sum_pi_squared", False,
+                 f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} needs Σπ²; set it to true")  # fmt: skip
+
+    @property
+    def uses_importance_weights(self) -> bool:
+        """Importance weights are built (guidance on or rollout correction requested)."""
+        return self.algorithm.tis_level not in ("none", "auto")
+
+    @property
+    def uses_reference(self) -> bool:
+        """A reference policy is needed (a KL loss or a KL penalty in the reward)."""
+        return not self.algorithm.disable_kl and self.algorithm.kl_coef > 0
+
+
+def _explain(error: OmegaConfBaseException) -> str:
+    """One line from an OmegaConf error: the full key and what went wrong."""
+    key = getattr(error, "full_key", None) or "?"
+    msg = str(getattr(error, "msg", None) or error).splitlines()[0]
+    if "not in" in msg or "Key '" in msg:
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        node = OmegaConf.structured(PPOConfig)
+        valid = ""
+        try:
+            sub = OmegaConf.select(node, parent) if parent else node
+            valid = f"; valid keys under '{parent or '<root>'}': {', '.join(sorted(sub.keys()))}"
+        except Exception:  # the parent itself may be the unknown part
+            pass
+        return f"unknown config key '{key}'{valid}"
+    return f"{key}: {msg}"
+
+
+def load_config(args: Sequence[str] = (), overrides: dict[str, Any] | None = None) -> PPOConfig:
+    """Parse `config=path.yaml` and `a.b=c` arguments (and a dict of overrides) into a PPOConfig.
+
+    Raises ConfigError with a one-line message on a missing file, an unknown key, a value of the
+    wrong type or an invalid value.
+    """
+    schema = OmegaConf.structured(PPOConfig)
+    dotlist, yaml_path = [], None
+    for arg in args:
+        if "=" not in arg:
+            raise ConfigError(
+                f"argument {arg!r} is not of the form key=value (e.g. worker.rollout.n=8)"
+            )
+        if arg.startswith("config="):
+            yaml_path = arg.split("=", 1)[1]
+        else:
+            dotlist.append(arg)
+    try:
+        merged = schema
+        if yaml_path is not None:
+            if not os.path.isfile(yaml_path):
+                raise ConfigError(f"config file {yaml_path!r} not found")
+            merged = OmegaConf.merge(merged, OmegaConf.load(yaml_path))
+        if dotlist:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotlist))
+        if overrides:
+            merged = OmegaConf.merge(merged, OmegaConf.create(overrides))
+        config: PPOConfig = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        raise ConfigError(_explain(error)) from None
+    return config.post_init()
+
+
+def to_dict(config: PPOConfig) -> dict[str, Any]:
+    """Plain nested dict of a config (for loggers and checkpoints)."""
+    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)

@@ -1,0 +1,150 @@
+"""Guidance math shared by rollout and trainer: behavior log-probs, λ schedules, guidance metrics.
+
+Notation (DESIGN.md §3): p the draft's processed next-token distribution, q the guidance's, λ the
+guidance strength; speculative mode emits tokens from q_λ = (1-λ)·p + λ·q exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from verl.utils import metric_names as M
+from verl.utils.registry import Registry
+from verl.utils.torch_functional import masked_mean
+
+BehaviorFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+BEHAVIORS: Registry[BehaviorFn] = Registry("guidance behavior rule")
+
+
+@BEHAVIORS.register("exact")
+def mixture_log_probs(
+    draft_log_probs: torch.Tensor,
+    guidance_log_probs: torch.Tensor,
+    offpolicy_mask: torch.Tensor,
+    lam: float,
+) -> torch.Tensor:
+    """log q_λ(x) = logsumexp(log(1-λ) + log p(x), log λ + log q(x)), for every token. (B, T).
+
+    The exact behavior of speculative guidance whatever the provenance of x. λ = 0 gives log p,
+    λ = 1 gives log q. Paper: https://arxiv.org/abs/2211.17192 (speculative sampling: the accepted
+    / residual construction emits the target mixture exactly).
+    """
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lam must lie in [0, 1], got {lam}")
+    log_keep = math.log1p(-lam) if lam < 1.0 else -math.inf
+    log_lam = math.log(lam) if lam > 0.0 else -math.inf
+    return torch.logaddexp(draft_log_probs + log_keep, guidance_log_probs + log_lam)
+
+
+@BEHAVIORS.register("provenance")
+def provenance_log_probs(
+    draft_log_probs: torch.Tensor,
+    guidance_log_probs: torch.Tensor,
+    offpolicy_mask: torch.Tensor,
+    lam: float,
+) -> torch.Tensor:
+    """μ(x) = q(x) where offpolicy_mask else p(x): the original patch's rule, for ablations. (B, T).
+
+    Exact for mix mode, where each response comes entirely from one engine.
+    Paper: https://arxiv.org/abs/2504.14945 (LUFFY: off-policy guidance).
+    """
+    return torch.where(offpolicy_mask.bool(), guidance_log_probs, draft_log_probs)
+
+
+GuidanceModeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, str], torch.Tensor]
+GUIDANCE_MODES: Registry[GuidanceModeFn] = Registry("guidance mode")
+
+
+@GUIDANCE_MODES.register("speculative")
+def speculative_behavior(
+    draft_lp, guidance_lp, offpolicy_mask, lam, behavior="exact"
+) -> torch.Tensor:
+    """Token-level guidance: tokens follow q_λ; μ per `behavior` (exact mixture by default). (B, T)."""
+    return BEHAVIORS.get(behavior)(draft_lp, guidance_lp, offpolicy_mask, lam)
+
+
+@GUIDANCE_MODES.register("mix")
+def mix_behavior(draft_lp, guidance_lp, offpolicy_mask, lam, behavior="exact") -> torch.Tensor:
+    """Sequence-level (LUFFY-style) mixing: guidance responses have μ = q, draft responses μ = p. (B, T)."""
+    return provenance_log_probs(draft_lp, guidance_lp, offpolicy_mask, lam)
+
+
+def compute_behavior_log_probs(
+    draft_log_probs: torch.Tensor,
+    guidance_log_probs: torch.Tensor,
+    offpolicy_mask: torch.Tensor,
+    lam: float,
+    mode: str = "speculative",
+    behavior: str = "exact",
+) -> torch.Tensor:
+    """Behavior log-probs μ(y_t) of emitted tokens for guidance `mode` and `behavior` rule. (B, T)."""
+    return GUIDANCE_MODES.get(mode)(
+        draft_log_probs, guidance_log_probs, offpolicy_mask, lam, behavior
+    )
+
+
+ScheduleFn = Callable[[float, float, float], float]
+LAM_SCHEDULES: Registry[ScheduleFn] = Registry("lam schedule")
+
+
+@LAM_SCHEDULES.register("constant")
+def lam_constant(start: float, end: float, progress: float) -> float:
+    """λ(s) = λ_0."""
+    return start
+
+
+@LAM_SCHEDULES.register("linear")
+def lam_linear(start: float, end: float, progress: float) -> float:
+    """λ(s) = λ_0 + (λ_end - λ_0)·s, s = step / steps clipped to [0, 1]."""
+    return start + (end - start) * progress
+
+
+@LAM_SCHEDULES.register("cosine")
+def lam_cosine(start: float, end: float, progress: float) -> float:
+    """λ(s) = λ_end + (λ_0 - λ_end)·(1 + cos(π s))/2."""
+    return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def lam_at_step(
+    step: int, total_steps: int, lam: float, lam_end: float, schedule: str = "constant"
+) -> float:
+    """Guidance strength at training `step` (0-based) of `total_steps` under `schedule`."""
+    progress = min(max(step / max(total_steps, 1), 0.0), 1.0)
+    return LAM_SCHEDULES.get(schedule)(lam, lam_end, progress)
+
+
+def compute_guidance_metrics(
+    offpolicy_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    behavior_log_probs: torch.Tensor,
+    draft_log_probs: torch.Tensor,
+    guidance_missing_mask: torch.Tensor | None = None,
+    lam: float | None = None,
+) -> dict[str, float]:
+    """Provenance statistics of a guided batch (inputs (B, T)).
+
+    offpolicy_token_ratio = guidance tokens / valid tokens; offpolicy_seq_ratio = share of
+    responses with at least one guidance token; behavior_kl = mean(log μ - log p) over valid
+    tokens, the k1 estimate of KL(μ ‖ p) (tokens are drawn from μ); missing_logprob_ratio = share
+    of valid tokens without a guidance log-prob.
+    """
+    valid = response_mask.to(behavior_log_probs.dtype)
+    guided = offpolicy_mask.to(valid.dtype) * valid
+    has_tokens = valid.sum(dim=-1) > 0
+    metrics = {
+        M.GUIDANCE_OFFPOLICY_TOKEN_RATIO: masked_mean(guided, valid).item(),
+        M.GUIDANCE_OFFPOLICY_SEQ_RATIO: (guided.sum(dim=-1) > 0)[has_tokens].float().mean().item()
+        if has_tokens.any()
+        else 0.0,
+        M.GUIDANCE_BEHAVIOR_KL: masked_mean(behavior_log_probs - draft_log_probs, valid).item(),
+    }
+    if guidance_missing_mask is not None:
+        metrics[M.GUIDANCE_MISSING_LOGPROB_RATIO] = masked_mean(
+            guidance_missing_mask.to(valid.dtype), valid
+        ).item()
+    if lam is not None:
+        metrics[M.GUIDANCE_LAMBDA] = float(lam)
+    return metrics

@@ -1,0 +1,1 @@
+"""Leaf utilities: registries, masked tensor helpers, metric names. Imports nothing above it."""

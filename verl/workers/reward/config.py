@@ -1,0 +1,32 @@
+"""Reward configuration (EasyR1's worker.reward)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl.utils.config_checks import check_choice, check_range, fail
+
+
+@dataclass
+class RewardConfig:
+    """How responses are scored."""
+
+    reward_type: str = "batch"
+    """batch: one call scores the whole batch; sequential: one call per response."""
+    reward_function: str | None = None
+    """`path/to/file.py:fn` of a user function, or the name of a built-in reward."""
+    reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the reward function."""
+    skip_special_tokens: bool = True
+    """Decode responses without special tokens before scoring."""
+    num_cpus: int = 1
+    """CPUs of the reward worker."""
+
+    def validate(self, prefix: str) -> None:
+        """Fail fast on bad values."""
+        check_choice(f"{prefix}.reward_type", self.reward_type, ["batch", "sequential"])
+        check_range(f"{prefix}.num_cpus", self.num_cpus, 1)
+        fn = self.reward_function
+        if fn is not None and ".py" in fn and not fn.rsplit(":", 1)[-1].isidentifier():
+            fail(f"{prefix}.reward_function", fn, "expected 'path/to/file.py:function_name'")

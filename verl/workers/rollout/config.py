@@ -1,0 +1,132 @@
+"""Rollout configuration: the draft vLLM engine and the optional guidance engine (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl.trainer.core_algos.guidance import BEHAVIORS, GUIDANCE_MODES, LAM_SCHEDULES
+from verl.utils.config_checks import check_choice, check_range, fail
+
+
+@dataclass
+class OffPolicyGuidanceConfig:
+    """A second, stronger model that may override the draft's tokens during rollout."""
+
+    enable: bool = False
+    """Turn guidance on. Off means vanilla GRPO rollout everywhere."""
+    model_path: str | None = None
+    """Local path of the guidance model (must share the draft's tokenizer)."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel width of the guidance engine."""
+    gpu_memory_utilization: float = 0.3
+    """Share of GPU memory the guidance engine may use."""
+    dtype: str = "bfloat16"
+    """Weights/activations dtype of the guidance engine (float32 on CPU)."""
+    logprobs: int = 20
+    """Top-K log-probs the guidance engine returns per position (vocab size for exact full coverage)."""
+    sampling_overrides: dict[str, Any] = field(default_factory=dict)
+    """SamplingParams fields that differ for the guidance (e.g. temperature)."""
+    mode: str = "speculative"
+    """Guidance mode: token-level speculative mixing or sequence-level mix (GUIDANCE_MODES)."""
+    lam: float = 0.5
+    """Guidance strength λ in [0, 1] at step 0: emitted tokens follow (1-λ)·p + λ·q."""
+    lam_schedule: str = "constant"
+    """Schedule of λ over training steps (LAM_SCHEDULES)."""
+    lam_end: float = 0.0
+    """λ at the end of the schedule (ignored by `constant`)."""
+    lam_schedule_steps: int | None = None
+    """Steps over which λ moves from `lam` to `lam_end` (None: the whole run)."""
+    num_speculative_tokens: int = 4
+    """Draft tokens proposed per round before the guidance scores them."""
+    mix_num_samples: int = 1
+    """Mix mode: responses per prompt generated entirely by the guidance."""
+    behavior: str = "exact"
+    """Behavior log-prob rule: exact mixture log q_λ, or provenance (BEHAVIORS)."""
+
+    def validate(self, prefix: str, rollout_n: int) -> None:
+        """Fail fast on bad values; `rollout_n` bounds `mix_num_samples`."""
+        check_choice(f"{prefix}.mode", self.mode, GUIDANCE_MODES.names())
+        check_choice(f"{prefix}.behavior", self.behavior, BEHAVIORS.names())
+        check_choice(f"{prefix}.lam_schedule", self.lam_schedule, LAM_SCHEDULES.names())
+        check_range(f"{prefix}.lam", self.lam, 0.0, 1.0)
+        check_range(f"{prefix}.lam_end", self.lam_end, 0.0, 1.0)
+        check_range(
+            f"{prefix}.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True
+        )
+        check_range(f"{prefix}.tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_range(f"{prefix}.logprobs", self.logprobs, 1)
+        check_range(f"{prefix}.num_speculative_tokens", self.num_speculative_tokens, 1)
+        check_range(f"{prefix}.mix_num_samples", self.mix_num_samples, 0, rollout_n)
+        if self.lam_schedule_steps is not None:
+            check_range(f"{prefix}.lam_schedule_steps", self.lam_schedule_steps, 1)
+        if self.enable and not self.model_path:
+            fail(
+                f"{prefix}.model_path",
+                self.model_path,
+                "guidance is enabled, so give the guidance model's local path",
+            )
+
+
+@dataclass
+class RolloutConfig:
+    """The draft vLLM engine (EasyR1's worker.rollout)."""
+
+    name: str = "vllm"
+    """Rollout engine."""
+    n: int = 5
+    """Responses sampled per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0); log-probs are of the processed distribution."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = -1
+    """Top-k sampling (-1: off)."""
+    seed: int = 1
+    """Sampling seed."""
+    dtype: str = "bfloat16"
+    """Weights/activations dtype of the draft engine (float32 on CPU)."""
+    gpu_memory_utilization: float = 0.6
+    """Share of GPU memory the draft engine may use."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel width of the draft engine."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs."""
+    enable_prefix_caching: bool = True
+    """Reuse KV cache across requests sharing a prefix."""
+    enable_chunked_prefill: bool = False
+    """Chunk long prefills."""
+    max_num_batched_tokens: int = 8192
+    """Token budget of one engine step."""
+    kv_block_size: int | None = None
+    """KV-cache block size (None: engine default; CPU needs a multiple of 32)."""
+    disable_tqdm: bool = True
+    """Hide vLLM's progress bars."""
+    val_override_config: dict[str, Any] = field(default_factory=dict)
+    """Sampling fields that differ during validation (e.g. {temperature: 0, n: 1})."""
+    offpolicy_guidance: OffPolicyGuidanceConfig = field(default_factory=OffPolicyGuidanceConfig)
+    """The guidance engine and its mixing rule."""
+    prompt_length: int = -1
+    """auto: data.max_prompt_length."""
+    response_length: int = -1
+    """auto: data.max_response_length."""
+
+    def validate(self, prefix: str) -> None:
+        """Fail fast on bad values."""
+        check_choice(f"{prefix}.name", self.name, ["vllm"])
+        check_range(f"{prefix}.n", self.n, 1)
+        check_range(f"{prefix}.temperature", self.temperature, 0.0, low_open=True)
+        check_range(f"{prefix}.top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if self.top_k != -1 and self.top_k < 1:
+            fail(f"{prefix}.top_k", self.top_k, "expected -1 (off) or a value >= 1")
+        check_range(
+            f"{prefix}.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True
+        )
+        check_range(f"{prefix}.tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.kv_block_size is not None and (self.kv_block_size < 1 or self.kv_block_size % 16):
+            fail(
+                f"{prefix}.kv_block_size",
+                self.kv_block_size,
+                "expected a positive multiple of 16 (32 on CPU)",
+            )
+        self.offpolicy_guidance.validate(f"{prefix}.offpolicy_guidance", self.n)
