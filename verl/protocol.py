@@ -80,9 +80,23 @@ def _equal(a: Any, b: Any) -> bool:
             and a.shape == b.shape
             and torch.equal(a, b)
         )
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return bool(np.array_equal(np.asarray(a, dtype=object), np.asarray(b, dtype=object)))
-    return a == b
+    if isinstance(a, np.ndarray | list | tuple) or isinstance(b, np.ndarray | list | tuple):
+        if not isinstance(a, np.ndarray | list | tuple) or not isinstance(
+            b, np.ndarray | list | tuple
+        ):
+            return False
+        if len(a) != len(b):
+            return False
+        if (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.dtype != object
+            and b.dtype != object
+        ):
+            return a.shape == b.shape and bool(np.array_equal(a, b))
+        return all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    result = a == b
+    return bool(result) if not isinstance(result, np.ndarray) else bool(result.all())
 
 
 @dataclass
@@ -173,9 +187,10 @@ class DataProto:
     ) -> DataProto:
         """A view with only the named keys (all of a kind when its argument is None)."""
         batch = self.batch
-        if batch is not None and batch_keys is not None:
-            self._require(batch_keys, self.batch.keys(), "tensor")
-            batch = batch.select(*batch_keys)
+        if batch_keys is not None:
+            batch_keys = list(batch_keys)
+            self._require(batch_keys, batch.keys() if batch is not None else [], "tensor")
+            batch = batch.select(*batch_keys) if batch is not None else None
         non_tensors = self.non_tensor_batch
         if non_tensor_batch_keys is not None:
             self._require(non_tensor_batch_keys, non_tensors, "non-tensor")
@@ -211,6 +226,7 @@ class DataProto:
         """Rename tensor keys in place."""
         old_keys = [old_keys] if isinstance(old_keys, str) else old_keys
         new_keys = [new_keys] if isinstance(new_keys, str) else new_keys
+        self._require(old_keys, self.batch.keys() if self.batch is not None else [], "tensor")
         for old, new in zip(old_keys, new_keys, strict=True):
             self.batch.rename_key_(old, new)
         return self

@@ -292,3 +292,13 @@ def load_config(args: Sequence[str] = (), overrides: dict[str, Any] | None = Non
 def to_dict(config: PPOConfig) -> dict[str, Any]:
     """Plain nested dict of a config (for loggers and checkpoints)."""
     return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
+
+
+def defaults_yaml() -> str:
+    """Every key with its default value, as YAML (the content of configs/defaults.yaml)."""
+    header = "# Every configuration key with its default. Generated: python -m verl.trainer.config > configs/defaults.yaml\n"
+    return header + OmegaConf.to_yaml(OmegaConf.structured(PPOConfig))
+
+
+if __name__ == "__main__":
+    print(defaults_yaml(), end="")

@@ -103,14 +103,17 @@ def compute_rloo_outcome_advantage(
 def discounted_returns(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
 ) -> torch.Tensor:
-    """G_t = Σ_{j≥t} γ^{j-t} r_j·m_j, with the running sum reset where mask = 0 (B, T)."""
+    """G_t = Σ_{j≥t} γ^{j-t} r_j·m_j, zero where mask = 0 (B, T).
+
+    Rewards of masked tokens never count, but the sum flows through them, so in a multi-turn
+    response the tokens before a tool-output hole still see the final reward.
+    """
     returns = torch.zeros_like(token_level_rewards)
     running = torch.zeros_like(token_level_rewards[:, 0])
     for t in reversed(range(token_level_rewards.shape[1])):
         running = token_level_rewards[:, t] * response_mask[:, t] + gamma * running
         returns[:, t] = running
-        running = running * response_mask[:, t]
-    return returns
+    return returns * response_mask
 
 
 @register_adv_est("reinforce_plus_plus")
@@ -127,7 +130,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     with torch.no_grad():
         returns = discounted_returns(token_level_rewards, response_mask, gamma)
         advantages = masked_whiten(returns, response_mask)
-    return advantages, returns * response_mask
+    return advantages, returns
 
 
 def _otb_positions(response_mask: torch.Tensor, compact: bool) -> torch.Tensor:
@@ -160,25 +163,23 @@ def _optimal_token_baseline(
 
     ids, num_groups = group_ids(index, returns.device)
     width = returns.shape[1]
-    key = (ids.unsqueeze(-1) * width + _otb_positions(response_mask, compact))[mask.bool()]
     cells = num_groups * width
-
-    def cell_sum(values: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(cells, dtype=values.dtype, device=values.device).index_add_(
-            0, key, values[mask.bool()]
-        )
-
-    numer = cell_sum(returns * realized)
-    denom = cell_sum(realized)
-    alive = cell_sum(torch.ones_like(returns))
+    # cell (group, position) of every token; padding goes to one extra trash cell
+    key = ids.unsqueeze(-1) * width + _otb_positions(response_mask, compact)
+    key = torch.where(mask.bool(), key, torch.full_like(key, cells)).reshape(-1)
+    stacked = torch.stack([returns * realized, realized, mask], dim=-1).reshape(-1, 3)
+    sums = torch.zeros(cells + 1, 3, dtype=returns.dtype, device=returns.device).index_add_(
+        0, key, stacked
+    )
+    numer, denom, alive = sums[:cells].unbind(-1)
     baseline = numer / (denom + epsilon)
     group_size = _group_sum(torch.ones_like(returns[:, 0]), ids, num_groups)
     lonely = (alive <= 1) & (handle_zero_tail | (group_size <= 1).repeat_interleave(width))
-    baseline = torch.where(lonely, torch.zeros_like(baseline), baseline)
-
-    token_baseline = torch.zeros_like(returns)
-    token_baseline[mask.bool()] = baseline[key]
-    return (returns - token_baseline) * mask, returns
+    baseline = torch.cat(
+        [torch.where(lonely, torch.zeros_like(baseline), baseline), baseline.new_zeros(1)]
+    )
+    token_baseline = baseline[key].reshape(returns.shape)
+    return (returns - token_baseline) * mask, returns * mask
 
 
 @register_adv_est("optimal_token_baseline", "otb")

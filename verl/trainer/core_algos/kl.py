@@ -20,25 +20,28 @@ KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator")
 
 @KL_ESTIMATORS.register("k1", "kl")
 def kl_k1(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
-    """k1 = log π(x) - log π_ref(x): unbiased, high variance. (B, T)."""
+    """k1 = log π(x) - log π_ref(x): unbiased, high variance. (B, T). Ref: http://joschu.net/blog/kl-approx.html."""
     return log_probs - ref_log_probs
 
 
 @KL_ESTIMATORS.register("abs")
 def kl_abs(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
-    """|log π(x) - log π_ref(x)| (B, T)."""
+    """|log π(x) - log π_ref(x)|, a biased magnitude. (B, T). Ref: http://joschu.net/blog/kl-approx.html."""
     return (log_probs - ref_log_probs).abs()
 
 
 @KL_ESTIMATORS.register("k2", "mse")
 def kl_k2(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
-    """k2 = ½ (log π(x) - log π_ref(x))²: biased, low variance. (B, T)."""
+    """k2 = ½ (log π(x) - log π_ref(x))²: biased, low variance. (B, T). Ref: http://joschu.net/blog/kl-approx.html."""
     return 0.5 * (log_probs - ref_log_probs) ** 2
 
 
 @KL_ESTIMATORS.register("k3", "low_var_kl")
 def kl_k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
-    """k3 = π_ref/π - log(π_ref/π) - 1 ≥ 0, clamped to [-10, 10]: unbiased, low variance. (B, T)."""
+    """k3 = π_ref/π - log(π_ref/π) - 1 ≥ 0, clamped to [-10, 10]: unbiased, low variance. (B, T).
+
+    Ref: http://joschu.net/blog/kl-approx.html.
+    """
     log_r = (ref_log_probs - log_probs).clamp(-20.0, 20.0)
     return (log_r.exp() - log_r - 1.0).clamp(-10.0, 10.0)
 
@@ -78,9 +81,9 @@ def compute_mismatch_metrics(
     offpolicy_mask: torch.Tensor | None = None,
     forced_threshold: float = -0.01,
 ) -> dict[str, float]:
-    """Sampling (μ, vLLM) vs training (π_old, FSDP) divergence on draft-emitted tokens.
+    """kl_v1 = mean(log μ - log π_old), kl_v2 = ½·mean((log μ - log π_old)²) on draft tokens.
 
-    kl_v1 = mean(log μ - log π_old), kl_v2 = ½ mean((log μ - log π_old)²),
+    Sampling (μ, vLLM) vs training (π_old, FSDP) divergence; also
     kl_k3 = mean(π_old/μ - 1 - log(π_old/μ)); all over draft-emitted, non-forced tokens. A token is
     forced when its sampling log-prob > `forced_threshold` (near-deterministic: its KL is noise);
     forced_token_ratio = forced / draft-emitted. Guidance-emitted tokens (offpolicy_mask) are

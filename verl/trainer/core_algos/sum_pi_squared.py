@@ -12,11 +12,11 @@ from verl.utils.torch_functional import masked_mean
 def compute_sum_pi_squared(
     logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024
 ) -> torch.Tensor:
-    """Σ_v π_v² = exp(logsumexp(2z) - 2·logsumexp(z)), z = logits / temperature. (..., V) -> (...).
+    """Σ_v π_v² = exp(logsumexp(2z) - 2·logsumexp(z)), z = logits / temperature. (B, T, V) -> (B, T).
 
     Processed `chunk_size` rows at a time, so the extra memory is O(chunk_size·V), never a second
     (B, T, V) tensor. -inf logits (masked vocabulary) contribute 0; each row needs one finite
-    logit. Computed in float32 (float64 inputs stay float64).
+    logit. Computed in float32 (float64 inputs stay float64). Any leading shape works.
     Paper: https://arxiv.org/abs/2602.07078 (OTB's logit-gradient proxy).
     """
     vocab = logits.shape[-1]

@@ -1,0 +1,108 @@
+"""Behavior log-probs of guided rollouts, λ schedules and guidance metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from verl.trainer.core_algos.guidance import (
+    BEHAVIORS,
+    GUIDANCE_MODES,
+    LAM_SCHEDULES,
+    compute_behavior_log_probs,
+    compute_guidance_metrics,
+    lam_at_step,
+    mixture_log_probs,
+)
+from verl.utils import metric_names as M
+
+D = torch.float64
+
+
+def logt(values):
+    return torch.tensor(values, dtype=D).log()
+
+
+def test_exact_mixture_hand_values():
+    # p = [0.2, 0.0, 0.5], q = [0.6, 0.6, 0.1]
+    p, q, off = logt([[0.2, 0.0, 0.5]]), logt([[0.6, 0.6, 0.1]]), torch.tensor([[0, 1, 0]])
+    # λ = 0.5: q_λ = 0.5·p + 0.5·q = [0.4, 0.3, 0.3]
+    torch.testing.assert_close(
+        mixture_log_probs(p, q, off, 0.5), logt([[0.4, 0.3, 0.3]]), rtol=0, atol=1e-12
+    )
+    # λ = 0.25: [0.75·0.2 + 0.25·0.6, 0.25·0.6, 0.75·0.5 + 0.25·0.1] = [0.3, 0.15, 0.4]
+    torch.testing.assert_close(
+        mixture_log_probs(p, q, off, 0.25), logt([[0.3, 0.15, 0.4]]), rtol=0, atol=1e-12
+    )
+    # λ = 0 is the draft, λ = 1 the guidance, exactly (including p = 0 -> -inf)
+    assert torch.equal(mixture_log_probs(p, q, off, 0.0), p)
+    assert torch.equal(mixture_log_probs(p, q, off, 1.0), q)
+
+
+def test_exact_mixture_matches_probability_space_random():
+    gen = torch.Generator().manual_seed(0)
+    p, q = torch.rand(5, 7, generator=gen, dtype=D), torch.rand(5, 7, generator=gen, dtype=D)
+    for lam in (0.1, 0.5, 0.9):
+        expected = ((1 - lam) * p + lam * q).log()
+        torch.testing.assert_close(
+            mixture_log_probs(p.log(), q.log(), p > 0, lam), expected, rtol=0, atol=1e-12
+        )
+
+
+def test_provenance_and_modes():
+    p, q, off = logt([[0.2, 0.4]]), logt([[0.6, 0.8]]), torch.tensor([[0, 1]])
+    prov = compute_behavior_log_probs(p, q, off, 0.5, mode="speculative", behavior="provenance")
+    torch.testing.assert_close(prov, logt([[0.2, 0.8]]))
+    exact = compute_behavior_log_probs(p, q, off, 0.5, mode="speculative", behavior="exact")
+    torch.testing.assert_close(exact, logt([[0.4, 0.6]]))
+    # mix mode: each response is wholly from one engine, μ is that engine's log-prob
+    mix = compute_behavior_log_probs(p, q, off, 0.5, mode="mix", behavior="exact")
+    torch.testing.assert_close(mix, logt([[0.2, 0.8]]))
+    assert GUIDANCE_MODES.names() == ["mix", "speculative"]
+    assert BEHAVIORS.names() == ["exact", "provenance"]
+
+
+def test_lam_out_of_range_raises():
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        mixture_log_probs(logt([[0.5]]), logt([[0.5]]), torch.tensor([[0]]), 1.2)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "step", "expected"),
+    [
+        ("constant", 7, 0.8),
+        ("linear", 0, 0.8),
+        ("linear", 5, 0.5),  # 0.8 + (0.2 - 0.8)·5/10
+        ("linear", 10, 0.2),
+        ("linear", 25, 0.2),  # clipped after the end
+        ("cosine", 0, 0.8),
+        ("cosine", 5, 0.5),  # 0.2 + 0.6·(1 + cos(π/2))/2 = 0.2 + 0.3
+        ("cosine", 10, 0.2),
+    ],
+)
+def test_lam_schedules(schedule, step, expected):
+    assert lam_at_step(step, 10, 0.8, 0.2, schedule) == pytest.approx(expected, abs=1e-12)
+
+
+def test_cosine_schedule_quarter_point():
+    # s = 1/4: 0.2 + 0.6·(1 + cos(π/4))/2 = 0.2 + 0.3·(1 + 0.7071068) = 0.7121320
+    assert lam_at_step(1, 4, 0.8, 0.2, "cosine") == pytest.approx(
+        0.2 + 0.3 * (1 + math.sqrt(0.5)), abs=1e-12
+    )
+    assert LAM_SCHEDULES.names() == ["constant", "cosine", "linear"]
+
+
+def test_guidance_metrics_hand_values():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=D)
+    off = torch.tensor([[0, 1, 0, 1], [0, 0, 0, 1]], dtype=D)  # the 1s in padding must not count
+    draft = torch.full((2, 4), math.log(0.5), dtype=D)
+    beh = draft + torch.tensor([[0.1, 0.3, 0.2, 5.0], [0.0, 0.4, 9.0, 9.0]], dtype=D)
+    missing = torch.tensor([[0, 1, 0, 1], [0, 0, 1, 1]], dtype=D)
+    m = compute_guidance_metrics(off, mask, beh, draft, missing, lam=0.3)
+    assert m[M.GUIDANCE_OFFPOLICY_TOKEN_RATIO] == pytest.approx(1 / 5)  # 1 guidance of 5 valid
+    assert m[M.GUIDANCE_OFFPOLICY_SEQ_RATIO] == pytest.approx(1 / 2)
+    assert m[M.GUIDANCE_BEHAVIOR_KL] == pytest.approx((0.1 + 0.3 + 0.2 + 0.0 + 0.4) / 5, abs=1e-12)
+    assert m[M.GUIDANCE_MISSING_LOGPROB_RATIO] == pytest.approx(1 / 5)
+    assert m[M.GUIDANCE_LAMBDA] == 0.3

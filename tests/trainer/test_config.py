@@ -1,0 +1,567 @@
+"""Tests of the configuration system: defaults, derived keys, merge order, docs and errors."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+from omegaconf import DictConfig, ListConfig
+
+import verl
+from verl.trainer.config import PPOConfig, load_config, to_dict
+from verl.trainer.core_algos.advantage import ADV_ESTIMATORS
+from verl.trainer.core_algos.guidance import BEHAVIORS, GUIDANCE_MODES, LAM_SCHEDULES
+from verl.trainer.core_algos.kl import KL_ESTIMATORS
+from verl.trainer.core_algos.offpolicy import RATIO_LEVELS
+from verl.trainer.core_algos.policy_loss import LOSS_AGG_MODES, POLICY_LOSSES, PolicyLossConfig
+from verl.utils.config_checks import ConfigError
+from verl.workers.actor.config import ActorConfig
+
+GUIDANCE = "worker.rollout.offpolicy_guidance"
+
+EXAMPLE_YAML = """\
+# A typical user config: GRPO on a small model, guidance off.
+data:
+  train_files: data/math@train
+  val_files: data/math@test
+  prompt_key: problem
+  max_prompt_length: 256
+  max_response_length: 1024
+  rollout_batch_size: 64
+
+worker:
+  actor:
+    global_batch_size: 32
+    loss_agg_mode: seq-mean-token-mean
+    clip_ratio_high: 0.3
+    model:
+      model_path: /models/qwen2.5-0.5b
+    optim:
+      lr: 2.0e-6
+  rollout:
+    n: 8
+    temperature: 0.9
+
+algorithm:
+  adv_estimator: rloo
+  kl_coef: 0.001
+
+trainer:
+  project_name: my_project
+  experiment_name: yaml_run
+  logger: [console]
+  total_epochs: 2
+"""
+
+
+@pytest.fixture
+def example_yaml(tmp_path: Path) -> str:
+    path = tmp_path / "example.yaml"
+    path.write_text(EXAMPLE_YAML)
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------- defaults
+
+
+def test_defaults_and_derived_keys():
+    config = load_config()
+    assert isinstance(config, PPOConfig)
+    assert config.data.max_prompt_length == 512
+    assert config.worker.rollout.n == 5
+    # derived keys filled by post_init
+    assert config.worker.rollout.prompt_length == config.data.max_prompt_length
+    assert config.worker.rollout.response_length == config.data.max_response_length
+    assert config.algorithm.tis_level == "none"
+    actor, algo = config.worker.actor, config.algorithm
+    assert actor.use_kl_loss is True  # algorithm.use_kl_loss and not disable_kl
+    assert actor.kl_penalty == algo.kl_penalty == "k3"
+    assert actor.kl_coef == algo.kl_coef == 1e-2
+    assert config.trainer.save_checkpoint_path == os.path.join("checkpoints", "easy_r1", "demo")
+
+
+def test_derived_keys_follow_the_algorithm_and_data_sections():
+    config = load_config(
+        [
+            "data.max_prompt_length=100",
+            "data.max_response_length=300",
+            "algorithm.kl_penalty=low_var_kl",
+            "algorithm.kl_coef=0.05",
+            "algorithm.importance_clamp_min=0.1",
+            "algorithm.importance_clamp_max=5.0",
+            "algorithm.importance_detach=false",
+            "algorithm.opsm_delta=0.2",
+            "trainer.project_name=p",
+            "trainer.experiment_name=e",
+        ]
+    )
+    actor = config.worker.actor
+    assert config.worker.rollout.prompt_length == 100
+    assert config.worker.rollout.response_length == 300
+    assert actor.kl_penalty == "low_var_kl"
+    assert actor.kl_coef == 0.05
+    assert actor.importance_clamp_min == 0.1
+    assert actor.importance_clamp_max == 5.0
+    assert actor.importance_detach is False
+    assert actor.opsm_delta == 0.2
+    assert config.trainer.save_checkpoint_path == os.path.join("checkpoints", "p", "e")
+
+
+def test_explicit_save_checkpoint_path_is_kept():
+    config = load_config(["trainer.save_checkpoint_path=/tmp/ckpt"])
+    assert config.trainer.save_checkpoint_path == "/tmp/ckpt"
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ([], True),
+        (["algorithm.use_kl_loss=false"], False),
+        (["algorithm.disable_kl=true"], False),
+    ],
+)
+def test_actor_use_kl_loss_is_derived(args, expected):
+    assert load_config(args).worker.actor.use_kl_loss is expected
+
+
+def test_tis_level_auto_resolves_to_token_with_guidance():
+    config = load_config([f"{GUIDANCE}.enable=true", f"{GUIDANCE}.model_path=/models/guide"])
+    assert config.algorithm.tis_level == "token"
+    assert config.uses_importance_weights is True
+
+
+def test_explicit_tis_level_is_kept():
+    config = load_config(["algorithm.tis_level=sequence"])
+    assert config.algorithm.tis_level == "sequence"
+    assert config.uses_importance_weights is True
+    guided = load_config(
+        [f"{GUIDANCE}.enable=true", f"{GUIDANCE}.model_path=/m", "algorithm.tis_level=none"]
+    )
+    assert guided.algorithm.tis_level == "none"
+    assert guided.uses_importance_weights is False
+
+
+def test_guidance_disabled_is_vanilla_grpo():
+    config = load_config()
+    assert config.worker.rollout.offpolicy_guidance.enable is False
+    assert config.algorithm.tis_level == "none"
+    assert config.uses_importance_weights is False
+    assert config.worker.actor.loss_type == "ppo"
+    assert config.algorithm.adv_estimator == "grpo"
+    assert config.algorithm.mis_level == "none"
+    assert config.algorithm.geometric_mask is False
+    assert config.algorithm.opsm_delta is None
+    assert config.worker.actor.luffy_shaping is False
+
+
+# ---------------------------------------------------------------------------------- merge order
+
+
+def test_example_yaml_loads(example_yaml):
+    config = load_config([f"config={example_yaml}"])
+    assert config.data.train_files == "data/math@train"
+    assert config.data.prompt_key == "problem"
+    assert config.worker.actor.loss_agg_mode == "seq-mean-token-mean"
+    assert config.worker.actor.model.model_path == "/models/qwen2.5-0.5b"
+    assert config.worker.actor.optim.lr == 2.0e-6
+    assert config.worker.rollout.n == 8
+    assert config.worker.rollout.temperature == 0.9
+    assert config.worker.rollout.prompt_length == 256
+    assert config.worker.rollout.response_length == 1024
+    assert config.algorithm.adv_estimator == "rloo"
+    assert config.worker.actor.kl_coef == 0.001
+    assert config.trainer.logger == ["console"]
+    assert config.trainer.save_checkpoint_path == os.path.join(
+        "checkpoints", "my_project", "yaml_run"
+    )
+    # keys the YAML does not mention keep their defaults
+    assert config.worker.actor.clip_ratio_low == 0.2
+    assert config.worker.rollout.top_p == 1.0
+
+
+def test_yaml_overrides_defaults(example_yaml):
+    default = load_config()
+    config = load_config([f"config={example_yaml}"])
+    assert default.worker.rollout.n == 5 and config.worker.rollout.n == 8
+    assert default.data.max_prompt_length == 512 and config.data.max_prompt_length == 256
+
+
+def test_cli_overrides_yaml(example_yaml):
+    config = load_config(
+        [f"config={example_yaml}", "worker.rollout.n=4", "data.max_prompt_length=128"]
+    )
+    assert config.worker.rollout.n == 4
+    assert config.data.max_prompt_length == 128
+    assert config.worker.rollout.prompt_length == 128
+    assert config.worker.rollout.temperature == 0.9  # from the YAML, not overridden
+    # the position of `config=` in the argument list does not change the precedence
+    config = load_config(["worker.rollout.n=4", f"config={example_yaml}"])
+    assert config.worker.rollout.n == 4
+
+
+def test_overrides_dict_overrides_yaml_and_cli(example_yaml):
+    config = load_config(
+        [f"config={example_yaml}", "worker.rollout.n=4"],
+        overrides={"worker": {"rollout": {"n": 3}}, "trainer": {"experiment_name": "ovr"}},
+    )
+    assert config.worker.rollout.n == 3
+    assert config.trainer.experiment_name == "ovr"
+    assert config.trainer.project_name == "my_project"  # from the YAML
+    assert config.trainer.save_checkpoint_path == os.path.join("checkpoints", "my_project", "ovr")
+
+
+# ---------------------------------------------------------------------------------- field docs
+
+VERL_ROOT = Path(verl.__file__).parent
+CONFIG_MODULES = {
+    "trainer/config.py": None,
+    "workers/config.py": None,
+    "workers/actor/config.py": None,
+    "workers/rollout/config.py": None,
+    "workers/reward/config.py": None,
+    "trainer/core_algos/policy_loss.py": {"PolicyLossConfig"},
+}
+EXPECTED_CLASSES = {
+    "DataConfig",
+    "AlgorithmConfig",
+    "TrainerConfig",
+    "PPOConfig",
+    "WorkerConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "FSDPConfig",
+    "OffloadConfig",
+    "ActorConfig",
+    "RefConfig",
+    "OffPolicyGuidanceConfig",
+    "RolloutConfig",
+    "RewardConfig",
+    "PolicyLossConfig",
+}
+
+
+def _is_dataclass_decorator(node: ast.expr) -> bool:
+    target = node.func if isinstance(node, ast.Call) else node
+    if isinstance(target, ast.Name):
+        return target.id == "dataclass"
+    return isinstance(target, ast.Attribute) and target.attr == "dataclass"
+
+
+def _config_classes() -> list[tuple[str, ast.ClassDef]]:
+    found = []
+    for rel, only in CONFIG_MODULES.items():
+        tree = ast.parse((VERL_ROOT / rel).read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            if not any(_is_dataclass_decorator(d) for d in node.decorator_list):
+                continue
+            if only is None or node.name in only:
+                found.append((rel, node))
+    return found
+
+
+CONFIG_CLASSES = _config_classes()
+
+
+def test_all_config_classes_are_found():
+    assert {node.name for _, node in CONFIG_CLASSES} == EXPECTED_CLASSES
+
+
+def _field_doc_problems(node: ast.ClassDef) -> list[str]:
+    """Annotated class-level fields not immediately followed by a one-line string statement."""
+    body = node.body
+    problems = []
+    for i, stmt in enumerate(body):
+        if not isinstance(stmt, ast.AnnAssign):
+            continue
+        name = ast.unparse(stmt.target)
+        nxt = body[i + 1] if i + 1 < len(body) else None
+        if not (
+            isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            problems.append(f"{name}: no docstring")
+            continue
+        doc = nxt.value.value.strip()
+        if not doc:
+            problems.append(f"{name}: empty docstring")
+        elif "\n" in doc:
+            problems.append(f"{name}: docstring spans several lines")
+    return problems
+
+
+def test_field_doc_checker_flags_undocumented_fields():
+    source = (
+        "@dataclass\n"
+        "class Demo:\n"
+        "    a: int = 1\n"
+        '    """Documented."""\n'
+        "    b: int = 2\n"
+        "    c: int = 3\n"
+        '    """Two\n    lines."""\n'
+        "    d: int = 4\n"
+    )
+    node = ast.parse(source).body[0]
+    assert _field_doc_problems(node) == [
+        "b: no docstring",
+        "c: docstring spans several lines",
+        "d: no docstring",
+    ]
+
+
+@pytest.mark.parametrize(
+    "rel, node", CONFIG_CLASSES, ids=[f"{rel}::{node.name}" for rel, node in CONFIG_CLASSES]
+)
+def test_every_config_field_has_a_one_line_docstring(rel, node):
+    assert any(isinstance(stmt, ast.AnnAssign) for stmt in node.body), node.name
+    problems = _field_doc_problems(node)
+    assert not problems, f"{rel}::{node.name}: {problems}"
+
+
+# ---------------------------------------------------------------------------------- errors
+
+
+def _choices(valid) -> str:
+    return "valid: " + ", ".join(valid)
+
+
+CHOICE_CASES = [
+    ("algorithm.adv_estimator", ADV_ESTIMATORS.names()),
+    ("worker.actor.loss_type", POLICY_LOSSES.names()),
+    ("worker.actor.loss_agg_mode", LOSS_AGG_MODES.names()),
+    ("algorithm.kl_penalty", KL_ESTIMATORS.names()),
+    ("algorithm.tis_level", ["auto", "none", *RATIO_LEVELS.names()]),
+    ("algorithm.mis_level", ["none", *RATIO_LEVELS.names()]),
+    (f"{GUIDANCE}.mode", GUIDANCE_MODES.names()),
+    (f"{GUIDANCE}.behavior", BEHAVIORS.names()),
+    (f"{GUIDANCE}.lam_schedule", LAM_SCHEDULES.names()),
+]
+
+
+@pytest.mark.parametrize("key, valid", CHOICE_CASES, ids=[k for k, _ in CHOICE_CASES])
+def test_unknown_choice_names_key_value_and_registry_names(key, valid):
+    assert valid, "a registry is empty"
+    with pytest.raises(ConfigError) as err:
+        load_config([f"{key}=not_a_real_name"])
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert f"{key}='not_a_real_name'" in msg
+    assert msg.endswith(_choices(valid))
+    for name in valid:
+        assert name in msg
+
+
+def test_valid_choices_follow_the_registry(monkeypatch):
+    """A loss registered at run time becomes a valid config value (no hand-copied list)."""
+    monkeypatch.setattr(POLICY_LOSSES, "_table", dict(POLICY_LOSSES._table))
+    monkeypatch.setattr(POLICY_LOSSES, "_aliases", dict(POLICY_LOSSES._aliases))
+    with pytest.raises(ConfigError, match="my_test_loss"):
+        load_config(["worker.actor.loss_type=my_test_loss"])
+    POLICY_LOSSES.register("my_test_loss")(lambda *args, **kwargs: None)
+    assert load_config(["worker.actor.loss_type=my_test_loss"]).worker.actor.loss_type == (
+        "my_test_loss"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(["worker.actor.loss_type=nope"])
+    assert "my_test_loss" in str(err.value)
+
+
+ERROR_CASES = [
+    # (id, args, fragments the one-line message must contain)
+    ("lam_above_1", [f"{GUIDANCE}.lam=1.5"], [f"{GUIDANCE}.lam=1.5", "[0.0, 1.0]"]),
+    ("lam_below_0", [f"{GUIDANCE}.lam=-0.1"], [f"{GUIDANCE}.lam=-0.1", "[0.0, 1.0]"]),
+    (
+        "mix_num_samples_above_n",
+        ["worker.rollout.n=4", f"{GUIDANCE}.mix_num_samples=5"],
+        [f"{GUIDANCE}.mix_num_samples=5", "[0, 4]"],
+    ),
+    (
+        "guidance_without_model_path",
+        [f"{GUIDANCE}.enable=true"],
+        [f"{GUIDANCE}.model_path=None", "guidance is enabled"],
+    ),
+    (
+        "otb_without_sum_pi_squared",
+        ["algorithm.adv_estimator=optimal_token_baseline"],
+        ["worker.actor.calculate_sum_pi_squared=False", "optimal_token_baseline"],
+    ),
+    (
+        "otb_alias_without_sum_pi_squared",
+        ["algorithm.adv_estimator=tir_otb"],
+        ["worker.actor.calculate_sum_pi_squared=False", "tir_otb"],
+    ),
+    (
+        "importance_clamp_min_above_max",
+        ["algorithm.importance_clamp_min=3.0", "algorithm.importance_clamp_max=2.5"],
+        ["algorithm.importance_clamp_min=3.0", "algorithm.importance_clamp_max=2.5"],
+    ),
+    (
+        "mis_lower_above_upper",
+        ["algorithm.mis_threshold_lower=1.5", "algorithm.mis_threshold_upper=1.2"],
+        ["algorithm.mis_threshold_lower=1.5", "algorithm.mis_threshold_upper=1.2"],
+    ),
+    (
+        "geometric_lower_above_upper",
+        ["algorithm.geometric_mask_lower=3.0", "algorithm.geometric_mask_upper=2.0"],
+        ["algorithm.geometric_mask_lower=3.0", "algorithm.geometric_mask_upper=2.0"],
+    ),
+    ("rollout_n_zero", ["worker.rollout.n=0"], ["worker.rollout.n=0", "[1, inf]"]),
+    (
+        "temperature_zero",
+        ["worker.rollout.temperature=0"],
+        ["worker.rollout.temperature=0.0", "(0.0, inf]"],
+    ),
+    ("top_p_zero", ["worker.rollout.top_p=0"], ["worker.rollout.top_p=0.0", "(0.0, 1.0]"]),
+    (
+        "unknown_key",
+        ["worker.rollout.not_a_key=1"],
+        [
+            "worker.rollout.not_a_key",
+            "valid keys under 'worker.rollout'",
+            *[f.name for f in dataclasses.fields(type(PPOConfig().worker.rollout))],
+        ],
+    ),
+    (
+        "unknown_nested_key",
+        [f"{GUIDANCE}.lamm=0.3"],
+        [f"{GUIDANCE}.lamm", f"valid keys under '{GUIDANCE}'", "lam_schedule", "mix_num_samples"],
+    ),
+    (
+        "unknown_top_level_key",
+        ["bogus.x=1"],
+        ["'bogus", "<root>", "algorithm", "data", "trainer", "worker"],
+    ),
+    ("wrong_type", ["worker.rollout.n=abc"], ["worker.rollout.n", "abc"]),
+    ("no_equals", ["worker.rollout.n"], ["'worker.rollout.n'", "key=value"]),
+]
+
+
+@pytest.mark.parametrize(
+    "args, fragments", [c[1:] for c in ERROR_CASES], ids=[c[0] for c in ERROR_CASES]
+)
+def test_bad_input_gives_one_line_config_error(args, fragments):
+    with pytest.raises(ConfigError) as err:
+        load_config(args)
+    msg = str(err.value)
+    assert "\n" not in msg
+    for fragment in fragments:
+        assert fragment in msg, f"{fragment!r} not in {msg!r}"
+
+
+def test_missing_yaml_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config([f"config={missing}"])
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert str(missing) in msg and "not found" in msg
+
+
+def test_unknown_key_in_yaml_names_full_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("worker:\n  actor:\n    optim:\n      learning_rate: 1.0e-5\n")
+    with pytest.raises(ConfigError) as err:
+        load_config([f"config={path}"])
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "worker.actor.optim.learning_rate" in msg
+    assert "lr" in msg and "weight_decay" in msg
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+    with pytest.raises(ValueError):
+        load_config(["worker.rollout.n=-3"])
+
+
+# ---------------------------------------------------------------------------------- policy loss
+
+
+def _non_default(value):
+    if isinstance(value, bool):
+        return not value
+    if value is None:
+        return 7
+    if isinstance(value, int):
+        return value + 3
+    if isinstance(value, float):
+        return value + 0.0123
+    if isinstance(value, str):
+        return value + "-changed"
+    raise AssertionError(f"no non-default value for {value!r}")
+
+
+def test_policy_loss_config_carries_every_field():
+    loss_fields = dataclasses.fields(PolicyLossConfig)
+    actor_names = {f.name for f in dataclasses.fields(ActorConfig)}
+    missing = [f.name for f in loss_fields if f.name not in actor_names]
+    assert not missing, f"ActorConfig lacks PolicyLossConfig fields {missing}"
+    values = {f.name: _non_default(f.default) for f in loss_fields}
+    actor = ActorConfig(**values)
+    loss_config = actor.policy_loss_config()
+    assert isinstance(loss_config, PolicyLossConfig)
+    for f in loss_fields:
+        got = getattr(loss_config, f.name)
+        assert got == getattr(actor, f.name), f.name
+        assert got != f.default, f"{f.name} kept the PolicyLossConfig default"
+
+
+def test_policy_loss_config_from_loaded_config():
+    config = load_config(["worker.actor.clip_ratio_high=0.4", "algorithm.importance_clamp_max=3.0"])
+    loss_config = config.worker.actor.policy_loss_config()
+    assert loss_config.clip_ratio_high == 0.4
+    assert loss_config.importance_clamp_max == 3.0
+
+
+# ---------------------------------------------------------------------------------- to_dict
+
+
+def _assert_plain(value, path="config"):
+    assert not isinstance(value, DictConfig | ListConfig), path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            assert isinstance(key, str), f"{path}.{key}"
+            _assert_plain(item, f"{path}.{key}")
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _assert_plain(item, f"{path}[{i}]")
+    else:
+        assert value is None or isinstance(value, bool | int | float | str), (path, value)
+
+
+def test_to_dict_is_plain_and_round_trips(example_yaml):
+    config = load_config(
+        [
+            f"config={example_yaml}",
+            f"{GUIDANCE}.enable=true",
+            f"{GUIDANCE}.model_path=/models/guide",
+            f"{GUIDANCE}.lam=0.7",
+            f"{GUIDANCE}.sampling_overrides={{temperature: 0.5}}",
+            "worker.rollout.val_override_config={n: 1}",
+            "worker.actor.optim.betas=[0.8,0.95]",
+            "algorithm.opsm_delta=0.1",
+        ]
+    )
+    data = to_dict(config)
+    assert type(data) is dict
+    _assert_plain(data)
+    assert set(data) == {"data", "worker", "algorithm", "trainer"}
+    assert data["worker"]["rollout"]["offpolicy_guidance"]["lam"] == 0.7
+    assert data["worker"]["rollout"]["offpolicy_guidance"]["sampling_overrides"] == {
+        "temperature": 0.5
+    }
+    assert data["algorithm"]["tis_level"] == "token"
+    assert list(data["worker"]["actor"]["optim"]["betas"]) == [0.8, 0.95]
+    again = load_config(overrides=data)
+    assert again == config
+    assert to_dict(again) == data
+
+
+def test_to_dict_round_trips_defaults():
+    config = load_config()
+    assert load_config(overrides=to_dict(config)) == config

@@ -1,0 +1,50 @@
+"""The metric-name module is the single source of logged names, and the core only emits those."""
+
+from __future__ import annotations
+
+import torch
+
+from verl.trainer import core_algos as C
+from verl.utils import metric_names as M
+
+
+def test_names_are_unique_and_namespaced():
+    assert len(set(M.ALL_FIXED)) == len(M.ALL_FIXED)
+    assert all(M.in_namespace(name) for name in M.ALL_FIXED)
+    for required in (
+        "guidance/offpolicy_token_ratio", "guidance/offpolicy_seq_ratio", "guidance/accept_rate", "guidance/lambda",
+        "guidance/is_weight_mean", "guidance/is_weight_std", "guidance/is_weight_min", "guidance/is_weight_max",
+        "guidance/is_clip_frac", "guidance/missing_logprob_ratio", "guidance/behavior_kl", "guidance/topk_tail_mass",
+        "mismatch/kl_v1", "mismatch/kl_v2", "variance_proxy/proxy1_signal_strength",
+        "variance_proxy/proxy2_total_power", "variance_proxy/proxy3_pure_noise", "actor/pg_loss", "actor/ppo_kl",
+        "actor/pg_clipfrac", "actor/grad_norm", "actor/lr", "actor/entropy", "actor/kl_loss",
+    ):  # fmt: skip
+        assert required in M.ALL_FIXED, required
+
+
+def test_core_algorithms_emit_only_documented_names():
+    gen = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 5, generator=gen)
+    new = old + 0.1 * torch.randn(4, 5, generator=gen)
+    adv = torch.randn(4, 5, generator=gen)
+    mask = torch.ones(4, 5)
+    off = (torch.rand(4, 5, generator=gen) > 0.5).float()
+    emitted = {}
+    cfg = C.PolicyLossConfig(luffy_shaping=True, opsm_delta=0.1)
+    for name in C.POLICY_LOSSES:
+        emitted.update(
+            C.get_policy_loss_fn(name)(
+                old, new, adv, mask, config=cfg, behavior_log_probs=old, offpolicy_mask=off
+            )[1]
+        )
+    emitted.update(C.compute_importance_weights(old, new, mask)[1])
+    emitted.update(C.compute_mismatch_metrics(old, new, mask, off))
+    emitted.update(C.compute_guidance_metrics(off, mask, new, old, off, lam=0.5))
+    emitted.update(
+        C.compute_variance_proxy_metrics(
+            adv, mask, old, torch.rand(4, 5, generator=gen), grad_norm=1.0
+        )
+    )
+    assert emitted
+    undocumented = [k for k in emitted if k not in M.ALL_FIXED]
+    assert not undocumented, undocumented
