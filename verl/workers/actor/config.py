@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from verl.trainer.core_algos.policy_loss import LOSS_AGG_MODES, POLICY_LOSSES, PolicyLossConfig
 from verl.utils.config_checks import check_choice, check_range, fail
@@ -173,25 +173,8 @@ class ActorConfig:
     """auto: algorithm.opsm_delta."""
 
     def policy_loss_config(self) -> PolicyLossConfig:
-        """The loss hyper-parameters, as the algorithm core wants them."""
-        return PolicyLossConfig(
-            clip_ratio_low=self.clip_ratio_low,
-            clip_ratio_high=self.clip_ratio_high,
-            clip_ratio_dual=self.clip_ratio_dual,
-            loss_agg_mode=self.loss_agg_mode,
-            loss_horizon=self.loss_horizon,
-            importance_clamp_min=self.importance_clamp_min,
-            importance_clamp_max=self.importance_clamp_max,
-            importance_detach=self.importance_detach,
-            tv_delta=self.tv_delta,
-            is_ratio_cap=self.is_ratio_cap,
-            cppo_w_min=self.cppo_w_min,
-            cppo_budget=self.cppo_budget,
-            cppo_budget_quantile=self.cppo_budget_quantile,
-            luffy_shaping=self.luffy_shaping,
-            luffy_gamma=self.luffy_gamma,
-            opsm_delta=self.opsm_delta,
-        )
+        """The loss hyper-parameters, as the algorithm core wants them (same field names)."""
+        return PolicyLossConfig(**{f.name: getattr(self, f.name) for f in fields(PolicyLossConfig)})
 
     def validate(self, prefix: str) -> None:
         """Fail fast on bad values."""
