@@ -1,0 +1,175 @@
+"""The actor's math on one process (no distributed): log-probs, Σπ², entropy and the update."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from verl.protocol import DataProto
+from verl.trainer.core_algos.policy_loss import LOSS_AGG_MODES
+from verl.utils import metric_names as M
+from verl.utils.synthetic import synthetic_rl_batch
+from verl.utils.tiny_lm import TinyLMSpec, build_tiny_qwen2
+from verl.workers.actor.config import ActorConfig
+from verl.workers.actor.dp_actor import DataParallelPPOActor
+
+P, T, V = 6, 5, 128
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_qwen2(
+        TinyLMSpec(hidden_size=128, num_hidden_layers=2, vocab_size=V, seed=0)
+    ).float()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    data = synthetic_rl_batch(8, P, T, vocab_size=100, seed=1, group_size=4)
+    data.meta_info["temperature"] = 0.7
+    return data
+
+
+def reference_stats(model, data: DataProto, temperature: float) -> dict[str, torch.Tensor]:
+    """Plain HF forward, one unpadded sequence at a time: log π, entropy, Σπ² of each response token."""
+    out = {k: torch.zeros(len(data), T) for k in ("log_probs", "entropy", "sum_pi_squared")}
+    with torch.no_grad():
+        for i in range(len(data)):
+            keep = data.batch["attention_mask"][i].bool()
+            ids = data.batch["input_ids"][i][keep].unsqueeze(0)
+            n_resp = int(data.batch["response_mask"][i].sum())
+            logits = model(input_ids=ids, use_cache=False).logits[0].double() / temperature
+            pred = logits[-n_resp - 1 : -1]
+            logp = torch.log_softmax(pred, -1)
+            probs = logp.exp()
+            out["log_probs"][i, :n_resp] = (
+                logp.gather(-1, ids[0, -n_resp:].unsqueeze(-1)).squeeze(-1).float()
+            )
+            out["entropy"][i, :n_resp] = -(probs * logp).sum(-1).float()
+            out["sum_pi_squared"][i, :n_resp] = (probs**2).sum(-1).float()
+    return out
+
+
+def make_actor(model, **overrides) -> DataParallelPPOActor:
+    settings = dict(micro_batch_size_per_device_for_experience=3, micro_batch_size_per_device_for_update=2,
+                    global_batch_size=8, calculate_sum_pi_squared=True)  # fmt: skip
+    cfg = ActorConfig(**{**settings, **overrides})
+    return DataParallelPPOActor(cfg, model)
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_log_probs_entropy_and_sum_pi_squared_match_plain_hf_forward(
+    model, batch, padding_free, dynamic
+):
+    actor = make_actor(
+        model, padding_free=padding_free, dynamic_batching=dynamic, max_token_len_per_device=25
+    )
+    out = actor.compute_log_prob(batch, calculate_entropy=True)
+    ref = reference_stats(model, batch, 0.7)
+    mask = batch.batch["response_mask"].bool()
+    for key in ("old_log_probs", "entropy", "sum_pi_squared"):
+        got = out.batch[key]
+        want = ref["log_probs" if key == "old_log_probs" else key]
+        assert torch.all(got[~mask] == 0), key  # padding is exactly zero
+        torch.testing.assert_close(got[mask], want[mask], rtol=0, atol=1e-5, msg=key)
+
+
+def test_padded_and_padding_free_paths_agree(model, batch):
+    a = make_actor(model, padding_free=True).compute_log_prob(batch).batch["old_log_probs"]
+    b = make_actor(model, padding_free=False).compute_log_prob(batch).batch["old_log_probs"]
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def _update_batch(model, batch, seed=0):
+    data = copy.deepcopy(batch)
+    out = make_actor(model).compute_log_prob(data)
+    data.batch["old_log_probs"] = out.batch["old_log_probs"]
+    gen = torch.Generator().manual_seed(seed)
+    data.batch["advantages"] = (
+        torch.randn(len(data), 1, generator=gen).expand(-1, T) * data.batch["response_mask"]
+    )
+    return data
+
+
+def _step(model, data, lr=0.5, **overrides):
+    clone = copy.deepcopy(model)
+    actor = make_actor(clone, **overrides)
+    actor.actor_optimizer = torch.optim.SGD(clone.parameters(), lr=lr)
+    metrics = actor.update_policy(data)
+    return clone, metrics
+
+
+def _max_param_diff(a, b) -> float:
+    return max(
+        (p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=True)
+    )
+
+
+def test_update_with_behavior_equal_old_and_unit_weights_is_plain_ppo(model, batch):
+    data = _update_batch(model, batch)
+    plain, _ = _step(model, data)
+    guided_data = copy.deepcopy(data)
+    guided_data.batch["behavior_log_probs"] = data.batch["old_log_probs"].clone()
+    guided_data.batch["importance_weights"] = torch.ones_like(data.batch["old_log_probs"])
+    guided, _ = _step(model, guided_data)
+    assert _max_param_diff(plain, guided) == 0.0
+    # and plain PPO itself equals one SGD step on the textbook clipped objective over the batch
+    manual = copy.deepcopy(model)
+    logits = manual(input_ids=data.batch["input_ids"], attention_mask=data.batch["attention_mask"],
+                    position_ids=data.batch["position_ids"], use_cache=False).logits[:, P - 1 : -1] / 0.7  # fmt: skip
+    logp = (
+        torch.log_softmax(logits.float(), -1)
+        .gather(-1, data.batch["responses"].unsqueeze(-1))
+        .squeeze(-1)
+    )
+    ratio = torch.exp(logp - data.batch["old_log_probs"])
+    adv, mask = data.batch["advantages"], data.batch["response_mask"]
+    surrogate = torch.min(ratio * adv, ratio.clamp(1 - 0.2, 1 + 0.28) * adv)
+    loss = -(surrogate * mask).sum() / mask.sum()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(manual.parameters(), 1.0)
+    with torch.no_grad():
+        for p in manual.parameters():
+            p -= 0.5 * p.grad
+    assert _max_param_diff(plain, manual) < 1e-6
+    assert _max_param_diff(plain, model) > 1e-4  # the update did move the parameters
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES.names())
+def test_gradient_accumulation_equals_single_batch_update(model, batch, mode):
+    data = _update_batch(model, batch, seed=3)
+    accumulated, m_acc = _step(
+        model, data, loss_agg_mode=mode, micro_batch_size_per_device_for_update=2
+    )
+    single, m_one = _step(model, data, loss_agg_mode=mode, micro_batch_size_per_device_for_update=8)
+    assert _max_param_diff(accumulated, single) < 1e-6
+    assert m_acc[M.ACTOR_PG_LOSS][0] == pytest.approx(m_one[M.ACTOR_PG_LOSS][0], abs=1e-6)
+    assert m_acc[M.ACTOR_GRAD_NORM][0] == pytest.approx(m_one[M.ACTOR_GRAD_NORM][0], rel=1e-5)
+
+
+def test_non_finite_gradient_skips_the_step(model, batch):
+    data = _update_batch(model, batch)
+    data.batch["advantages"] = data.batch["advantages"].clone()
+    data.batch["advantages"][0, 0] = float("nan")
+    stepped, metrics = _step(model, data)
+    assert _max_param_diff(stepped, model) == 0.0
+    assert metrics[M.ACTOR_SKIPPED_STEPS] == [1.0]
+
+
+def test_update_reports_the_actor_metrics(model, batch):
+    data = _update_batch(model, batch)
+    data.batch["ref_log_probs"] = data.batch["old_log_probs"] - 0.1
+    _, metrics = _step(
+        model, data, entropy_coeff=0.01, use_kl_loss=True, kl_coef=0.1, kl_penalty="k3"
+    )
+    for key in (M.ACTOR_PG_LOSS, M.ACTOR_PPO_KL, M.ACTOR_PG_CLIPFRAC, M.ACTOR_GRAD_NORM, M.ACTOR_LR,
+                M.ACTOR_ENTROPY, M.ACTOR_KL_LOSS):  # fmt: skip
+        assert key in metrics and all(torch.isfinite(torch.tensor(metrics[key]))), key
+    # first mini-batch step is on-policy: ratio 1, so ppo_kl is 0 and pg_loss = -mean(A)
+    assert metrics[M.ACTOR_PPO_KL][0] == pytest.approx(0.0, abs=1e-6)
+    mask = data.batch["response_mask"]
+    expected = -(data.batch["advantages"] * mask).sum() / mask.sum()
+    assert metrics[M.ACTOR_PG_LOSS][0] == pytest.approx(expected.item(), abs=1e-5)

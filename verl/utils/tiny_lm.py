@@ -1,0 +1,130 @@
+"""Tiny causal LMs and a character-level tokenizer, built by the project's own code.
+
+No model hub is reachable on our machines, so tests, benchmarks and the embedded demo build their
+models here: a Qwen2 architecture (loads in transformers and vLLM), `head_dim = 64` (the vLLM CPU
+attention kernel refuses 16) and a char-level tokenizer shared by draft and guidance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+from dataclasses import asdict, dataclass
+
+import torch
+
+PAD, EOS, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (PAD, EOS, IM_START, IM_END)
+CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's reversible byte -> printable-unicode table, in byte order."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+def char_vocab() -> dict[str, int]:
+    """Token -> id: the special tokens first, then one byte-level symbol per printable ASCII char."""
+    table = _bytes_to_unicode()
+    return {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *(table[ord(c)] for c in CHARS)))}
+
+
+def build_char_tokenizer():
+    """A one-token-per-character tokenizer (eos = <|im_end|>, pad = <|pad|>).
+
+    It is a byte-level BPE with an empty merge list, so every loader that rebuilds a Qwen2
+    tokenizer from the saved files (transformers' AutoTokenizer, vLLM) tokenizes identically.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE(vocab=char_vocab(), merges=[], unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD, eos_token=IM_END, bos_token=None,
+        additional_special_tokens=[EOS, IM_START], clean_up_tokenization_spaces=False,
+    )  # fmt: skip
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+@dataclass
+class TinyLMSpec:
+    """Shape of a tiny Qwen2 model."""
+
+    hidden_size: int = 128
+    """Model width; a multiple of 64 (head_dim)."""
+    num_hidden_layers: int = 2
+    """Decoder layers."""
+    intermediate_size: int | None = None
+    """MLP width (None: 2 x hidden_size)."""
+    num_key_value_heads: int = 1
+    """KV heads (grouped-query attention)."""
+    vocab_size: int = 128
+    """Embedding rows; at least the tokenizer's vocabulary (padded vocab allowed)."""
+    max_position_embeddings: int = 512
+    """Longest sequence."""
+    seed: int = 0
+    """Initialisation seed."""
+
+
+def build_tiny_qwen2(spec: TinyLMSpec, tokenizer=None):
+    """A randomly initialised Qwen2ForCausalLM of `spec` whose special ids match the tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = tokenizer or build_char_tokenizer()
+    if spec.hidden_size % 64:
+        raise ValueError(f"hidden_size must be a multiple of 64 (head_dim), got {spec.hidden_size}")
+    if spec.vocab_size < len(tokenizer):
+        raise ValueError(
+            f"vocab_size {spec.vocab_size} is smaller than the tokenizer's {len(tokenizer)}"
+        )
+    heads = spec.hidden_size // 64
+    config = Qwen2Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size or 2 * spec.hidden_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=min(spec.num_key_value_heads, heads),
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(spec.seed)
+    return Qwen2ForCausalLM(config)
+
+
+def save_tiny_lm(path: str, spec: TinyLMSpec | None = None, model=None) -> str:
+    """Write a tiny model (built from `spec` unless given) and the char tokenizer to `path`."""
+    spec = spec or TinyLMSpec()
+    tokenizer = build_char_tokenizer()
+    model = model or build_tiny_qwen2(spec, tokenizer)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    with open(os.path.join(path, "tiny_lm_spec.json"), "w") as f:
+        json.dump(asdict(spec), f)
+    return path

@@ -1,0 +1,283 @@
+"""Data-parallel PPO actor: log-probs (+ entropy, Σπ²) and the decoupled policy update.
+
+Works on any Hugging Face causal LM, plain or wrapped with FSDP2 (`fully_shard`); the same code
+runs on CPU (gloo) and GPU (nccl). Batches follow EasyR1's layout: `input_ids`,
+`attention_mask`, `position_ids` of shape (B, P+T) (left-padded prompt, right-padded response),
+`responses` and `response_mask` of shape (B, T). Only logits of valid response tokens are ever
+materialised: the padded path keeps the last T+1 positions, the padding-free path packs the
+micro-batch's valid tokens into one row (position ids restart per sequence, which transformers
+turns into a block-causal mask) and keeps exactly the predicting rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from verl.protocol import DataProto
+from verl.trainer.core_algos.kl import kl_penalty
+from verl.trainer.core_algos.policy_loss import agg_loss, get_policy_loss_fn
+from verl.trainer.core_algos.sum_pi_squared import compute_sum_pi_squared
+from verl.utils import metric_names as M
+from verl.workers.actor.config import ActorConfig
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+OPTIONAL_UPDATE_KEYS = (
+    "behavior_log_probs",
+    "importance_weights",
+    "offpolicy_mask",
+    "rollout_mask",
+    "ref_log_probs",
+)
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce_sum(value: float, device: torch.device) -> float:
+    if _world()[1] == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def token_stats(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    entropy: bool = False,
+    sum_pi_squared: bool = False,
+    chunk_size: int = 1024,
+) -> dict[str, torch.Tensor]:
+    """Per-token log π(label), and optionally entropy and Σπ², of (M, V) logits / temperature.
+
+    With autograd off the work runs `chunk_size` rows at a time in float32, so the extra memory
+    stays O(chunk_size·V); with autograd on (the update) it is one pass that keeps the graph.
+    """
+    if torch.is_grad_enabled():
+        z = logits.float() / temperature
+        lse = torch.logsumexp(z, dim=-1)
+        out = {"log_probs": z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse}
+        if entropy:
+            out["entropy"] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+        return out
+    parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for start in range(0, logits.shape[0], chunk_size):
+        z = logits[start : start + chunk_size].float() / temperature
+        lab = labels[start : start + chunk_size]
+        lse = torch.logsumexp(z, dim=-1)
+        parts["log_probs"].append(z.gather(-1, lab.unsqueeze(-1)).squeeze(-1) - lse)
+        if entropy:
+            parts["entropy"].append(lse - (torch.softmax(z, dim=-1) * z).sum(-1))
+        if sum_pi_squared:
+            parts["sum_pi_squared"].append(compute_sum_pi_squared(z, 1.0, chunk_size))
+    return {k: torch.cat(v) if v else logits.new_zeros(0) for k, v in parts.items()}
+
+
+class DataParallelPPOActor:
+    """Computes log-probs and updates the policy; one instance per data-parallel rank."""
+
+    def __init__(
+        self,
+        config: ActorConfig,
+        actor_module: nn.Module,
+        actor_optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any | None = None,
+    ) -> None:
+        self.config = config
+        self.actor_module = actor_module
+        self.actor_optimizer = actor_optimizer
+        self.lr_scheduler = lr_scheduler
+        self.loss_config = config.policy_loss_config()
+        self.policy_loss_fn = get_policy_loss_fn(config.loss_type)
+
+    # ------------------------------------------------------------------ forward
+    def _response_logits(self, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(M, V) logits predicting the M valid response tokens, and the valid-token mask (b, T)."""
+        input_ids, attention_mask, position_ids = (
+            micro["input_ids"],
+            micro["attention_mask"],
+            micro["position_ids"],
+        )
+        resp_len = micro["responses"].shape[1]
+        valid = micro["response_mask"].bool()
+        if self.config.padding_free:
+            keep = attention_mask.bool()
+            flat_index = keep.flatten().long().cumsum(0).view_as(keep) - 1
+            rows = (
+                flat_index[:, -resp_len:][valid] - 1
+            )  # the logit predicting a token sits one to the left
+            out = self.actor_module(
+                input_ids=input_ids[keep].unsqueeze(0),
+                position_ids=position_ids[keep].unsqueeze(0),
+                use_cache=False,
+                logits_to_keep=rows,
+            )
+            return out.logits[0], valid
+        out = self.actor_module(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=resp_len + 1,
+        )
+        return out.logits[:, :-1][valid], valid
+
+    def _forward_micro_batch(
+        self,
+        micro: dict[str, torch.Tensor],
+        temperature: float,
+        entropy: bool,
+        sum_pi_squared: bool,
+    ) -> dict[str, torch.Tensor]:
+        logits, valid = self._response_logits(micro)
+        labels = micro["responses"][valid]
+        stats = token_stats(
+            logits,
+            labels,
+            temperature,
+            entropy,
+            sum_pi_squared,
+            self.config.sum_pi_squared_chunk_size,
+        )
+        out = {}
+        for key, values in stats.items():
+            full = torch.zeros(valid.shape, dtype=values.dtype, device=values.device)
+            out[key] = full.masked_scatter(valid, values)
+        return out
+
+    def _micro_batches(self, data: DataProto, size: int) -> list[DataProto]:
+        if not self.config.dynamic_batching:
+            return data.split(size)
+        # token budget: greedy consecutive packing (keeps order, so results map back directly)
+        lengths = data.batch["attention_mask"].sum(-1).tolist()
+        sizes, current, tokens = [], 0, 0
+        for length in lengths:
+            if current and tokens + length > self.config.max_token_len_per_device:
+                sizes.append(current)
+                current, tokens = 0, 0
+            current, tokens = current + 1, tokens + length
+        sizes.append(current)
+        return data.split(sizes)
+
+    @torch.no_grad()
+    def compute_log_prob(self, data: DataProto, calculate_entropy: bool = False) -> DataProto:
+        """`old_log_probs` (B, T) of the responses under logits / temperature (+ entropy, Σπ²)."""
+        temperature = data.meta_info.get("temperature", 1.0)
+        self.actor_module.eval()
+        parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+        for micro in self._micro_batches(
+            data.select(list(MODEL_INPUTS)), self.config.micro_batch_size_per_device_for_experience
+        ):
+            out = self._forward_micro_batch(
+                dict(micro.batch.items()),
+                temperature,
+                calculate_entropy,
+                self.config.calculate_sum_pi_squared,
+            )
+            for key, value in out.items():
+                parts[key].append(value)
+        tensors = {
+            ("old_log_probs" if k == "log_probs" else k): torch.cat(v) for k, v in parts.items()
+        }
+        return DataProto.from_dict(tensors, meta_info={"temperature": temperature})
+
+    # ------------------------------------------------------------------ update
+    def update_policy(self, data: DataProto) -> dict[str, list[float]]:
+        """Mini-batches x micro-batches x ppo_epochs of the configured policy loss (+ KL, entropy).
+
+        Micro-batch losses are normalised by the whole mini-batch's token / sequence counts across
+        all ranks, so accumulating their gradients equals one full mini-batch step.
+        """
+        if self.actor_optimizer is None:
+            raise RuntimeError("update_policy needs an optimizer")
+        temperature = data.meta_info.get("temperature", 1.0)
+        keys = [
+            k
+            for k in (*MODEL_INPUTS, "old_log_probs", "advantages", *OPTIONAL_UPDATE_KEYS)
+            if k in data.batch.keys()
+        ]
+        data = data.select(keys)
+        _, world = _world()
+        mini_size = max(self.config.global_batch_size // world, 1)
+        metrics: dict[str, list[float]] = defaultdict(list)
+        self.actor_module.train()
+        for _ in range(self.config.ppo_epochs):
+            for mini in data.split(mini_size):
+                self._update_mini_batch(mini, temperature, world, metrics)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return dict(metrics)
+
+    def _update_mini_batch(
+        self, mini: DataProto, temperature: float, world: int, metrics: dict
+    ) -> None:
+        device = mini.batch["response_mask"].device
+        mask = mini.batch["response_mask"]
+        num_tokens = _all_reduce_sum(mask.sum().item(), device)
+        num_seqs = _all_reduce_sum((mask.sum(-1) > 0).sum().item(), device)
+        want_entropy = self.config.entropy_coeff != 0
+        totals: dict[str, float] = defaultdict(
+            float
+        )  # mini-batch values: sums of normalised micro parts
+        self.actor_optimizer.zero_grad(set_to_none=True)
+        for micro in self._micro_batches(mini, self.config.micro_batch_size_per_device_for_update):
+            batch = dict(micro.batch.items())
+            stats = self._forward_micro_batch(batch, temperature, want_entropy, False)
+            loss, pg_metrics = self.policy_loss_fn(
+                batch["old_log_probs"], stats["log_probs"], batch["advantages"], batch["response_mask"],
+                config=self.loss_config,
+                behavior_log_probs=batch.get("behavior_log_probs"),
+                importance_weights=batch.get("importance_weights"),
+                offpolicy_mask=batch.get("offpolicy_mask"),
+                rollout_mask=batch.get("rollout_mask"),
+                global_num_tokens=num_tokens, global_num_seqs=num_seqs,
+            )  # fmt: skip
+            agg = dict(loss_agg_mode=self.config.loss_agg_mode, horizon=self.config.loss_horizon,
+                       global_num_tokens=num_tokens, global_num_seqs=num_seqs)  # fmt: skip
+            if want_entropy:
+                entropy = agg_loss(stats["entropy"], batch["response_mask"], **agg)
+                loss = loss - self.config.entropy_coeff * entropy
+                totals[M.ACTOR_ENTROPY] += entropy.item()
+            if self.config.use_kl_loss and "ref_log_probs" in batch:
+                kl = kl_penalty(stats["log_probs"], batch["ref_log_probs"], self.config.kl_penalty)
+                kl_loss = agg_loss(kl, batch["response_mask"], **agg)
+                loss = loss + self.config.kl_coef * kl_loss
+                totals[M.ACTOR_KL_LOSS] += kl_loss.item()
+            # FSDP averages gradients over ranks; the global normalisers already divide by all ranks
+            (loss * world).backward()
+            for key, value in pg_metrics.items():
+                if key == M.ACTOR_PG_LOSS:
+                    totals[key] += value
+                else:
+                    metrics[key].append(value)
+        for (
+            key,
+            value,
+        ) in totals.items():  # this rank's share; summed over ranks it is the full value
+            metrics[key].append(_all_reduce_sum(value, device))
+        grad_norm = self._clip_and_step()
+        metrics[M.ACTOR_GRAD_NORM].append(grad_norm)
+        metrics[M.ACTOR_SKIPPED_STEPS].append(float(not math.isfinite(grad_norm)))
+        metrics[M.ACTOR_LR].append(self.actor_optimizer.param_groups[0]["lr"])
+
+    def _clip_and_step(self) -> float:
+        params = [p for p in self.actor_module.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        if not math.isfinite(grad_norm):
+            self.actor_optimizer.zero_grad(set_to_none=True)
+            return grad_norm
+        self.actor_optimizer.step()
+        return grad_norm
