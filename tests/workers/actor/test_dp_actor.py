@@ -173,3 +173,19 @@ def test_update_reports_the_actor_metrics(model, batch):
     mask = data.batch["response_mask"]
     expected = -(data.batch["advantages"] * mask).sum() / mask.sum()
     assert metrics[M.ACTOR_PG_LOSS][0] == pytest.approx(expected.item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+def test_sum_pi_squared_checkpointing_gives_the_same_statistics(model, batch, padding_free):
+    base = make_actor(model, padding_free=padding_free).compute_log_prob(
+        batch, calculate_entropy=True
+    )
+    chunked = make_actor(
+        model,
+        padding_free=padding_free,
+        sum_pi_squared_checkpointing=True,
+        sum_pi_squared_chunk_size=4,
+    )
+    out = chunked.compute_log_prob(batch, calculate_entropy=True)
+    for key in ("old_log_probs", "entropy", "sum_pi_squared"):
+        torch.testing.assert_close(out.batch[key], base.batch[key], rtol=0, atol=1e-6, msg=key)

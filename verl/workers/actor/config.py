@@ -152,7 +152,7 @@ class ActorConfig:
     calculate_sum_pi_squared: bool = False
     """Also return Σπ² per position from compute_log_prob (needed by OTB and variance proxies)."""
     sum_pi_squared_checkpointing: bool = False
-    """Recompute logits chunks for Σπ² instead of keeping them (less memory, more compute)."""
+    """With Σπ²: run the LM head in chunks from the final hidden states, never holding all logits."""
     sum_pi_squared_chunk_size: int = 1024
     """Rows of (B·T, V) logits processed at once for Σπ²."""
     model: ModelConfig = field(default_factory=ModelConfig)

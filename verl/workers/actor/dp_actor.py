@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -48,6 +50,20 @@ def _all_reduce_sum(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.item()
+
+
+@contextmanager
+def root_unsharded(module: nn.Module) -> Iterator[None]:
+    """Keep an FSDP2 root's own parameters (embeddings, final norm, head) gathered inside the block."""
+    unshard = getattr(module, "unshard", None)
+    if unshard is None:
+        yield
+        return
+    unshard()
+    try:
+        yield
+    finally:
+        module.reshard()
 
 
 def token_stats(
@@ -132,6 +148,66 @@ class DataParallelPPOActor:
         )
         return out.logits[:, :-1][valid], valid
 
+    def _model_inputs(self, micro: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
+        """Model kwargs and an index picking, from the model's (1|b, L, ·) output, the rows that
+        predict the valid response tokens (M of them)."""
+        input_ids, attention_mask, position_ids = (
+            micro["input_ids"],
+            micro["attention_mask"],
+            micro["position_ids"],
+        )
+        resp_len = micro["responses"].shape[1]
+        valid = micro["response_mask"].bool()
+        if self.config.padding_free:
+            keep = attention_mask.bool()
+            flat_index = keep.flatten().long().cumsum(0).view_as(keep) - 1
+            rows = (
+                flat_index[:, -resp_len:][valid] - 1
+            )  # the logit predicting a token sits one to the left
+            kwargs = {
+                "input_ids": input_ids[keep].unsqueeze(0),
+                "position_ids": position_ids[keep].unsqueeze(0),
+            }
+            return kwargs, (0, rows)
+        kwargs = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+        }
+        shifted = torch.zeros_like(attention_mask, dtype=torch.bool)
+        shifted[:, -resp_len - 1 : -1] = valid
+        return kwargs, shifted
+
+    def _response_logits(self, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(M, V) logits predicting the M valid response tokens; nothing else leaves the model."""
+        kwargs, pick = self._model_inputs(micro)
+        if isinstance(pick, tuple):  # padding-free: ask the head for exactly those rows
+            return self.actor_module(**kwargs, use_cache=False, logits_to_keep=pick[1]).logits[0]
+        resp_len = micro["responses"].shape[1]
+        logits = self.actor_module(**kwargs, use_cache=False, logits_to_keep=resp_len + 1).logits
+        return logits[pick[:, -resp_len - 1 :]]
+
+    def _chunked_head_stats(
+        self, micro: dict[str, torch.Tensor], temperature: float, entropy: bool
+    ) -> dict:
+        """Σπ² checkpointing: run the decoder once, then the LM head `chunk` rows at a time, so the
+        (M, V) response logits are never held at once (memory O(chunk·V) instead of O(M·V))."""
+        kwargs, pick = self._model_inputs(micro)
+        chunk = self.config.sum_pi_squared_chunk_size
+        labels = micro["responses"][micro["response_mask"].bool()]
+        with root_unsharded(self.actor_module):
+            hidden = self.actor_module.get_decoder()(**kwargs, use_cache=False).last_hidden_state
+            hidden = hidden[0][pick[1]] if isinstance(pick, tuple) else hidden[pick]
+            head = self.actor_module.get_output_embeddings()
+            parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+            for start in range(0, hidden.shape[0], chunk):
+                logits = head(hidden[start : start + chunk])
+                for key, value in token_stats(
+                    logits, labels[start : start + chunk], temperature, entropy, True, chunk
+                ).items():
+                    parts[key].append(value)
+        return {k: torch.cat(v) for k, v in parts.items()}
+
     def _forward_micro_batch(
         self,
         micro: dict[str, torch.Tensor],
@@ -139,16 +215,19 @@ class DataParallelPPOActor:
         entropy: bool,
         sum_pi_squared: bool,
     ) -> dict[str, torch.Tensor]:
-        logits, valid = self._response_logits(micro)
-        labels = micro["responses"][valid]
-        stats = token_stats(
-            logits,
-            labels,
-            temperature,
-            entropy,
-            sum_pi_squared,
-            self.config.sum_pi_squared_chunk_size,
-        )
+        valid = micro["response_mask"].bool()
+        if (
+            sum_pi_squared
+            and self.config.sum_pi_squared_checkpointing
+            and not torch.is_grad_enabled()
+        ):
+            stats = self._chunked_head_stats(micro, temperature, entropy)
+        else:
+            logits = self._response_logits(micro)
+            chunk = self.config.sum_pi_squared_chunk_size
+            stats = token_stats(
+                logits, micro["responses"][valid], temperature, entropy, sum_pi_squared, chunk
+            )
         out = {}
         for key, values in stats.items():
             full = torch.zeros(valid.shape, dtype=values.dtype, device=values.device)

@@ -1,0 +1,100 @@
+"""torch.distributed + FSDP2 helpers shared by the workers (CPU/gloo and GPU/nccl alike)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def device_type() -> str:
+    """ "cuda" when a GPU is visible, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int) -> DeviceMesh:
+    """Join the process group (nccl on GPU, gloo on CPU) and return a 1-D data-parallel mesh."""
+    os.environ.update(
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    kind = device_type()
+    if kind == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    if not dist.is_initialized():
+        backend = "nccl" if kind == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=30)
+        )
+    return init_device_mesh(kind, (world_size,), mesh_dim_names=("dp",))
+
+
+def load_hf_model(
+    model_path: str,
+    dtype: torch.dtype,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+):
+    """`AutoModelForCausalLM.from_pretrained` from a local folder, with a clear error when absent."""
+    from transformers import AutoModelForCausalLM
+
+    if not model_path or not os.path.isdir(model_path):
+        raise FileNotFoundError(
+            f"model path {model_path!r} is not a local folder with a Hugging Face model"
+        )
+    if attn_implementation == "flash_attention_2" and device_type() != "cuda":
+        attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_pretrained(
+        model_path,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+    )
+
+
+def apply_fsdp2(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: str | None = None,
+    reduce_dtype: str = "float32",
+) -> nn.Module:
+    """Shard every decoder layer, then the root (embeddings, norm, head), with `fully_shard`.
+
+    Mixed precision applies on GPU only; CPU computes in the parameters' dtype.
+    """
+    mp = None
+    if device_type() == "cuda" and param_dtype is not None:
+        mp = MixedPrecisionPolicy(
+            param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype]
+        )
+    kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp is not None else {})
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    for layer in layers if layers is not None else []:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded CPU state dict, complete on rank 0 (other ranks may get an empty dict); collective."""
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
