@@ -226,10 +226,24 @@ def test_reference_worker_is_frozen_and_returns_initial_log_probs(model_path, ra
             rtol=0,
             atol=1e-5,
         )
-        with pytest.raises(ray.exceptions.RayTaskError, match="needs an optimizer"):
+        with pytest.raises(ray.exceptions.RayTaskError, match="holds no actor"):
             ref.execute_dp("update_actor", data)
     finally:
         ref.shutdown()
+
+
+def test_colocated_actor_and_reference_in_one_process(model_path, ray_cluster):
+    group = start_group(model_path, 2, role="actor_ref")
+    try:
+        probe = make_batch(seed=19)
+        initial = group.dispatch("compute_ref_log_prob", probe).batch["ref_log_probs"]
+        group.execute_dp("update_actor", _update_data(group, seed=3))
+        moved = group.dispatch("compute_log_prob", probe).batch["old_log_probs"]
+        still = group.dispatch("compute_ref_log_prob", probe).batch["ref_log_probs"]
+        torch.testing.assert_close(still, initial, rtol=0, atol=0)  # the reference never trains
+        assert not torch.allclose(moved, initial)
+    finally:
+        group.shutdown()
 
 
 @pytest.mark.gpu

@@ -29,7 +29,7 @@ from verl.workers.actor.config import OptimConfig
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.config import WorkerConfig
 
-ROLES = ("actor", "ref")
+ROLES = ("actor", "ref", "actor_ref")
 
 
 def build_lr_scheduler(
@@ -57,14 +57,17 @@ def build_lr_scheduler(
 
 
 class FSDPWorker:
-    """A data-parallel rank holding the model(s) of its `role`: 'actor' (trained) or 'ref' (frozen)."""
+    """A data-parallel rank holding the models of its `role`: 'actor' (trained), 'ref' (frozen
+    initial policy) or 'actor_ref' (both in one process, the colocated layout)."""
 
     def __init__(self, config: WorkerConfig, role: str, rank: int, world_size: int) -> None:
         if role not in ROLES:
             raise ValueError(f"role {role!r} is not valid; valid: {', '.join(ROLES)}")
         self.config, self.role, self.rank, self.world_size = config, role, rank, world_size
         self.mesh = None
-        self.module = self.optimizer = self.lr_scheduler = self.actor = self.tokenizer = None
+        self.module = self.optimizer = self.lr_scheduler = self.actor = self.ref = (
+            self.tokenizer
+        ) = None
 
     # ------------------------------------------------------------------ set-up
     def master_address(self) -> tuple[str, int]:
@@ -75,33 +78,36 @@ class FSDPWorker:
         """Join the process group of the data-parallel ranks."""
         self.mesh = init_distributed(self.rank, self.world_size, master_addr, master_port)
 
-    def init_model(self) -> None:
-        """Load the HF model, shard it with FSDP2, and build optimizer + LR scheduler (actor only)."""
-        from transformers import AutoTokenizer
-
-        actor_cfg = self.config.actor
-        model_cfg = actor_cfg.model
-        fsdp_cfg = actor_cfg.fsdp if self.role == "actor" else self.config.ref.fsdp
-        default = "float32" if (self.role == "actor" or device_type() == "cpu") else "bfloat16"
-        dtype = DTYPES[fsdp_cfg.torch_dtype or default]
+    def _load_sharded(self, trainable: bool):
+        model_cfg = self.config.actor.model
+        fsdp_cfg = self.config.actor.fsdp if trainable else self.config.ref.fsdp
+        default = "float32" if (trainable or device_type() == "cpu") else "bfloat16"
         torch.manual_seed(0)
         model = load_hf_model(
-            model_cfg.model_path, dtype, model_cfg.attn_implementation, model_cfg.trust_remote_code
+            model_cfg.model_path,
+            DTYPES[fsdp_cfg.torch_dtype or default],
+            model_cfg.attn_implementation,
+            model_cfg.trust_remote_code,
         )
-        if self.role == "actor" and model_cfg.enable_gradient_checkpointing:
+        if trainable and model_cfg.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
-        if self.role == "ref":
+        if not trainable:
             model.requires_grad_(False)
-        self.module = apply_fsdp2(
-            model, self.mesh, fsdp_cfg.mp_param_dtype, fsdp_cfg.mp_reduce_dtype
-        )
+        return apply_fsdp2(model, self.mesh, fsdp_cfg.mp_param_dtype, fsdp_cfg.mp_reduce_dtype)
+
+    def init_model(self) -> None:
+        """Load the HF model(s), shard with FSDP2, build optimizer + LR scheduler for the actor."""
+        from transformers import AutoTokenizer
+
+        model_cfg = self.config.actor.model
         self.tokenizer = AutoTokenizer.from_pretrained(
             model_cfg.tokenizer_path or model_cfg.model_path
         )
-        if self.role == "actor":
-            optim = actor_cfg.optim
+        if self.role in ("actor", "actor_ref"):
+            optim = self.config.actor.optim
+            self.module = self._load_sharded(trainable=True)
             self.optimizer = torch.optim.AdamW(
                 self.module.parameters(),
                 lr=optim.lr,
@@ -109,10 +115,16 @@ class FSDPWorker:
                 weight_decay=optim.weight_decay,
             )
             self.lr_scheduler = build_lr_scheduler(self.optimizer, optim)
-        ref_cfg = actor_cfg if self.role == "actor" else self._ref_actor_config()
-        self.actor = DataParallelPPOActor(ref_cfg, self.module, self.optimizer, self.lr_scheduler)
+            self.actor = DataParallelPPOActor(
+                self.config.actor, self.module, self.optimizer, self.lr_scheduler
+            )
+        if self.role in ("ref", "actor_ref"):
+            self.ref = DataParallelPPOActor(
+                self._ref_actor_config(), self._load_sharded(trainable=False)
+            )
 
     def _ref_actor_config(self):
+        """The actor config with the reference's micro-batching; no Σπ² for the reference."""
         import dataclasses
 
         ref = self.config.ref
@@ -127,31 +139,39 @@ class FSDPWorker:
         return data.to("cuda" if device_type() == "cuda" else "cpu")
 
     # ------------------------------------------------------------------ compute
+    def _require(self, part: str) -> DataParallelPPOActor:
+        held = getattr(self, part)
+        if held is None:
+            raise RuntimeError(
+                f"this worker's role is {self.role!r}; it holds no {part} (roles: {', '.join(ROLES)})"
+            )
+        return held
+
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """`old_log_probs` (+ `entropy` when meta_info['calculate_entropy'], `sum_pi_squared` when configured)."""
-        out = self.actor.compute_log_prob(
-            self._to_device(data), data.meta_info.get("calculate_entropy", False)
-        )
-        return out.to("cpu")
+        entropy = data.meta_info.get("calculate_entropy", False)
+        return self._require("actor").compute_log_prob(self._to_device(data), entropy).to("cpu")
 
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """`ref_log_probs` (B, T) under the frozen initial policy."""
-        out = self.actor.compute_log_prob(self._to_device(data))
+        out = self._require("ref").compute_log_prob(self._to_device(data))
         return DataProto.from_dict({"ref_log_probs": out.batch["old_log_probs"].cpu()})
 
     def update_actor(self, data: DataProto) -> dict[str, list[float]]:
         """One training step of the policy on this rank's share of the batch; returns metrics."""
-        return self.actor.update_policy(self._to_device(data))
+        return self._require("actor").update_policy(self._to_device(data))
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, path: str, export_hf_weights: bool = True) -> str:
-        """Atomic sharded checkpoint (+ HF export) at `path`."""
+        """Atomic sharded checkpoint (+ HF export) of the actor at `path`."""
+        self._require("actor")
         return FSDPCheckpointManager(
             self.module, self.optimizer, self.lr_scheduler, self.tokenizer
         ).save(path, export_hf_weights)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore model, optimizer, LR scheduler and RNG states from `path`."""
+        self._require("actor")
         FSDPCheckpointManager(self.module, self.optimizer, self.lr_scheduler, self.tokenizer).load(
             path
         )

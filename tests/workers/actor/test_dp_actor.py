@@ -189,3 +189,35 @@ def test_sum_pi_squared_checkpointing_gives_the_same_statistics(model, batch, pa
     out = chunked.compute_log_prob(batch, calculate_entropy=True)
     for key in ("old_log_probs", "entropy", "sum_pi_squared"):
         torch.testing.assert_close(out.batch[key], base.batch[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_balanced_partition_hand_example():
+    from verl.workers.actor.dp_actor import balanced_partition
+
+    # lengths 9, 2, 7, 3, 5 (Σ = 26), budget 13 -> k = ceil(26/13) = 2
+    # longest first into the lightest bin: 9 -> A(9), 7 -> B(7), 5 -> B(12), 3 -> A(12), 2 -> A would be 14 > 13
+    # -> k = 3: 9 -> A, 7 -> B, 5 -> C, 3 -> C(8), 2 -> B(9): loads 9, 9, 8
+    parts = balanced_partition([9, 2, 7, 3, 5], budget=13)
+    assert sorted(map(sorted, parts)) == [[0], [1, 2], [3, 4]]
+    # a row longer than the budget gets a micro-batch of its own
+    assert sorted(map(sorted, balanced_partition([20, 1, 1], budget=10))) == [[0], [1, 2]]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_balanced_partition_properties(seed):
+    from verl.workers.actor.dp_actor import balanced_partition
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 40, (37,), generator=gen).tolist()
+    parts = balanced_partition(lengths, budget=60)
+    assert sorted(i for p in parts for i in p) == list(range(37))  # every row exactly once
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    assert max(loads) <= 60
+    assert len(parts) >= -(-sum(lengths) // 60)  # never fewer than the lower bound
+
+
+def test_dynamic_batching_update_equals_fixed_micro_batches(model, batch):
+    data = _update_batch(model, batch, seed=4)
+    dynamic, _ = _step(model, data, dynamic_batching=True, max_token_len_per_device=30)
+    fixed, _ = _step(model, data, micro_batch_size_per_device_for_update=8)
+    assert _max_param_diff(dynamic, fixed) < 1e-6

@@ -99,6 +99,32 @@ def token_stats(
     return {k: torch.cat(v) if v else logits.new_zeros(0) for k, v in parts.items()}
 
 
+def balanced_partition(lengths: list[int], budget: int) -> list[list[int]]:
+    """Split row indices into the fewest micro-batches whose token sums fit `budget`, balanced.
+
+    k starts at its lower bound (one micro-batch per row longer than the budget, plus
+    ceil(Σ other lengths / budget)); rows go longest-first to the lightest micro-batch (LPT
+    scheduling); if one would overflow, k grows by one. A row longer than the budget gets a
+    micro-batch of its own. Within a micro-batch rows keep their original order.
+    """
+    if not lengths:
+        return []
+    overlong = sum(1 for n in lengths if n > budget)
+    k = max(1, overlong + math.ceil(sum(n for n in lengths if n <= budget) / budget))
+    by_length = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    while True:
+        loads, parts = [0] * k, [[] for _ in range(k)]
+        for i in by_length:
+            j = min(range(k), key=loads.__getitem__)
+            if loads[j] and loads[j] + lengths[i] > budget:
+                break
+            loads[j] += lengths[i]
+            parts[j].append(i)
+        else:
+            return [sorted(p) for p in parts if p]
+        k += 1
+
+
 class DataParallelPPOActor:
     """Computes log-probs and updates the policy; one instance per data-parallel rank."""
 
@@ -234,19 +260,19 @@ class DataParallelPPOActor:
             out[key] = full.masked_scatter(valid, values)
         return out
 
-    def _micro_batches(self, data: DataProto, size: int) -> list[DataProto]:
+    def _micro_batches(
+        self, data: DataProto, size: int
+    ) -> tuple[list[DataProto], torch.Tensor | None]:
+        """Fixed-size micro-batches, or token-balanced ones (with the row order to undo)."""
         if not self.config.dynamic_batching:
-            return data.split(size)
-        # token budget: greedy consecutive packing (keeps order, so results map back directly)
-        lengths = data.batch["attention_mask"].sum(-1).tolist()
-        sizes, current, tokens = [], 0, 0
-        for length in lengths:
-            if current and tokens + length > self.config.max_token_len_per_device:
-                sizes.append(current)
-                current, tokens = 0, 0
-            current, tokens = current + 1, tokens + length
-        sizes.append(current)
-        return data.split(sizes)
+            return data.split(size), None
+        order = balanced_partition(
+            data.batch["attention_mask"].sum(-1).tolist(), self.config.max_token_len_per_device
+        )
+        flat = [i for part in order for i in part]
+        return data.index_select(flat).split([len(p) for p in order]), torch.argsort(
+            torch.tensor(flat)
+        )
 
     @torch.no_grad()
     def compute_log_prob(self, data: DataProto, calculate_entropy: bool = False) -> DataProto:
@@ -254,20 +280,20 @@ class DataParallelPPOActor:
         temperature = data.meta_info.get("temperature", 1.0)
         self.actor_module.eval()
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
-        for micro in self._micro_batches(
-            data.select(list(MODEL_INPUTS)), self.config.micro_batch_size_per_device_for_experience
-        ):
+        size = self.config.micro_batch_size_per_device_for_experience
+        micros, undo = self._micro_batches(data.select(list(MODEL_INPUTS)), size)
+        for micro in micros:
+            batch = dict(micro.batch.items())
             out = self._forward_micro_batch(
-                dict(micro.batch.items()),
-                temperature,
-                calculate_entropy,
-                self.config.calculate_sum_pi_squared,
+                batch, temperature, calculate_entropy, self.config.calculate_sum_pi_squared
             )
             for key, value in out.items():
                 parts[key].append(value)
         tensors = {
             ("old_log_probs" if k == "log_probs" else k): torch.cat(v) for k, v in parts.items()
         }
+        if undo is not None:
+            tensors = {k: v[undo.to(v.device)] for k, v in tensors.items()}
         return DataProto.from_dict(tensors, meta_info={"temperature": temperature})
 
     # ------------------------------------------------------------------ update
@@ -309,7 +335,9 @@ class DataParallelPPOActor:
             float
         )  # mini-batch values: sums of normalised micro parts
         self.actor_optimizer.zero_grad(set_to_none=True)
-        for micro in self._micro_batches(mini, self.config.micro_batch_size_per_device_for_update):
+        for micro in self._micro_batches(mini, self.config.micro_batch_size_per_device_for_update)[
+            0
+        ]:
             batch = dict(micro.batch.items())
             stats = self._forward_micro_batch(batch, temperature, want_entropy, False)
             loss, pg_metrics = self.policy_loss_fn(
