@@ -110,7 +110,37 @@ def naive_sum_pi_squared(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _maxrss_bytes() -> int:
+    """Peak RSS of this process: VmHWM (resettable, see reset_peak_rss), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def current_rss_bytes() -> int:
+    """Resident set size now (VmRSS); falls back to the peak where /proc is missing."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return _maxrss_bytes()
+
+
+def reset_peak_rss() -> bool:
+    """Reset the peak-RSS mark to the current RSS (Linux >= 4.0); False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def child_main(variant: str, shape: tuple[int, ...], chunk_size: int, device: str) -> None:

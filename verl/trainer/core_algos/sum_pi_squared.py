@@ -8,6 +8,31 @@ from verl.utils import metric_names as M
 from verl.utils.torch_functional import masked_mean
 
 
+def softmax_statistics(
+    z: torch.Tensor, entropy: bool = False, sum_pi_squared: bool = False
+) -> dict[str, torch.Tensor]:
+    """lse = logsumexp(z), and optionally H = lse - Σπz and Σπ² = Σe²/(Σe)², from ONE exp pass.
+
+    With m = max z and e = exp(z - m): lse = m + log Σe, π = e/Σe, so Σπ² = Σe²/(Σe)², which is
+    exactly exp(logsumexp(2z) - 2·logsumexp(z)) without a second exponential. -inf entries give
+    e = 0. Shapes (M, V) -> (M,) each. Paper: https://arxiv.org/abs/2602.07078 (OTB).
+    """
+    if not (entropy or sum_pi_squared):
+        return {"lse": torch.logsumexp(z, dim=-1)}  # fused kernel, fastest for log-probs alone
+    m = z.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = z - m
+    e.exp_()  # the one exponential pass, in place
+    total = e.sum(dim=-1)
+    out = {"lse": m.squeeze(-1) + torch.log(total)}
+    if entropy:
+        weighted = torch.where(e > 0, e * z, torch.zeros_like(e)).sum(dim=-1)
+        out["entropy"] = out["lse"] - weighted / total
+    if sum_pi_squared:
+        out["sum_pi_squared"] = torch.linalg.vecdot(e, e) / (total * total)
+    return out
+
+
 @torch.no_grad()
 def compute_sum_pi_squared(
     logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024
@@ -15,8 +40,9 @@ def compute_sum_pi_squared(
     """Σ_v π_v² = exp(logsumexp(2z) - 2·logsumexp(z)), z = logits / temperature. (B, T, V) -> (B, T).
 
     Processed `chunk_size` rows at a time, so the extra memory is O(chunk_size·V), never a second
-    (B, T, V) tensor. -inf logits (masked vocabulary) contribute 0; each row needs one finite
-    logit. Computed in float32 (float64 inputs stay float64). Any leading shape works.
+    (B, T, V) tensor; evaluated as Σe²/(Σe)² with e = exp(z - max z) (`softmax_statistics`).
+    -inf logits (masked vocabulary) contribute 0; each row needs one finite logit. Computed in
+    float32 (float64 inputs stay float64). Any leading shape works.
     Paper: https://arxiv.org/abs/2602.07078 (OTB's logit-gradient proxy).
     """
     vocab = logits.shape[-1]
@@ -27,9 +53,9 @@ def compute_sum_pi_squared(
         z = flat[start : start + chunk_size].to(out_dtype)
         if temperature != 1.0:
             z = z / temperature
-        out[start : start + chunk_size] = torch.exp(
-            torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1)
-        )
+        out[start : start + chunk_size] = softmax_statistics(z, sum_pi_squared=True)[
+            "sum_pi_squared"
+        ]
     return out.reshape(logits.shape[:-1])
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from verl.protocol import DataProto
 from verl.trainer.core_algos.kl import kl_penalty
 from verl.trainer.core_algos.policy_loss import agg_loss, get_policy_loss_fn
-from verl.trainer.core_algos.sum_pi_squared import compute_sum_pi_squared
+from verl.trainer.core_algos.sum_pi_squared import softmax_statistics
 from verl.utils import metric_names as M
 from verl.workers.actor.config import ActorConfig
 
@@ -89,13 +89,11 @@ def token_stats(
     parts: dict[str, list[torch.Tensor]] = defaultdict(list)
     for start in range(0, logits.shape[0], chunk_size):
         z = logits[start : start + chunk_size].float() / temperature
-        lab = labels[start : start + chunk_size]
-        lse = torch.logsumexp(z, dim=-1)
-        parts["log_probs"].append(z.gather(-1, lab.unsqueeze(-1)).squeeze(-1) - lse)
-        if entropy:
-            parts["entropy"].append(lse - (torch.softmax(z, dim=-1) * z).sum(-1))
-        if sum_pi_squared:
-            parts["sum_pi_squared"].append(compute_sum_pi_squared(z, 1.0, chunk_size))
+        stats = softmax_statistics(z, entropy, sum_pi_squared)
+        picked = z.gather(-1, labels[start : start + chunk_size].unsqueeze(-1)).squeeze(-1)
+        parts["log_probs"].append(picked - stats.pop("lse"))
+        for key, value in stats.items():
+            parts[key].append(value)
     return {k: torch.cat(v) if v else logits.new_zeros(0) for k, v in parts.items()}
 
 
