@@ -34,6 +34,7 @@ format: env
 
 bench: env
 	$(PY) benchmarks/bench_core_algos.py
+	$(PY) benchmarks/bench_actor.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -29,7 +29,9 @@ def softmax_statistics(
         weighted = torch.where(e > 0, e * z, torch.zeros_like(e)).sum(dim=-1)
         out["entropy"] = out["lse"] - weighted / total
     if sum_pi_squared:
-        out["sum_pi_squared"] = torch.linalg.vecdot(e, e) / (total * total)
+        out["sum_pi_squared"] = torch.linalg.vector_norm(e, dim=-1).square() / (
+            total * total
+        )  # fused, no e² temporary
     return out
 
 
