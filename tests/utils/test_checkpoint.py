@@ -93,3 +93,19 @@ def test_loading_an_incomplete_checkpoint_fails_clearly(sharded, tmp_path):
     os.makedirs(tmp_path / "half")
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         FSDPCheckpointManager(model, optimizer, scheduler).load(str(tmp_path / "half"))
+
+
+def test_attention_kernel_resolution():
+    from verl.utils.fsdp_utils import resolve_attn_implementation
+
+    assert resolve_attn_implementation("auto", "cpu") == "sdpa"
+    assert resolve_attn_implementation("flash_attention_2", "cpu") == "sdpa"  # FA2 needs CUDA
+    assert resolve_attn_implementation("eager", "cpu") == "eager"
+    assert resolve_attn_implementation("sdpa", "cuda") == "sdpa"
+
+
+def test_missing_model_path_fails_clearly(tmp_path):
+    from verl.utils.fsdp_utils import load_hf_model
+
+    with pytest.raises(FileNotFoundError, match="not a local folder"):
+        load_hf_model(str(tmp_path / "nope"), torch.float32)

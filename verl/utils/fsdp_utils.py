@@ -47,10 +47,23 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     return init_device_mesh(kind, (world_size,), mesh_dim_names=("dp",))
 
 
+def resolve_attn_implementation(requested: str, device: str | None = None) -> str:
+    """auto -> flash_attention_2 on a GPU with flash-attn installed, else sdpa; FA2 needs CUDA."""
+    import importlib.util
+
+    device = device or device_type()
+    has_fa2 = device == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    if requested == "auto":
+        return "flash_attention_2" if has_fa2 else "sdpa"
+    if requested == "flash_attention_2" and not has_fa2:
+        return "sdpa"
+    return requested
+
+
 def load_hf_model(
     model_path: str,
     dtype: torch.dtype,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     trust_remote_code: bool = False,
 ):
     """`AutoModelForCausalLM.from_pretrained` from a local folder, with a clear error when absent."""
@@ -60,12 +73,10 @@ def load_hf_model(
         raise FileNotFoundError(
             f"model path {model_path!r} is not a local folder with a Hugging Face model"
         )
-    if attn_implementation == "flash_attention_2" and device_type() != "cuda":
-        attn_implementation = "sdpa"
     return AutoModelForCausalLM.from_pretrained(
         model_path,
         dtype=dtype,
-        attn_implementation=attn_implementation,
+        attn_implementation=resolve_attn_implementation(attn_implementation),
         trust_remote_code=trust_remote_code,
     )
 

@@ -8,6 +8,7 @@ from verl.trainer.core_algos.policy_loss import LOSS_AGG_MODES, POLICY_LOSSES, P
 from verl.utils.config_checks import check_choice, check_range, fail
 
 DTYPES = ("float32", "bfloat16", "float16")
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 
 
 @dataclass
@@ -20,8 +21,8 @@ class ModelConfig:
     """Local folder of the tokenizer (None: model_path)."""
     trust_remote_code: bool = False
     """Allow custom modelling code from the model folder."""
-    attn_implementation: str = "sdpa"
-    """Attention kernel: sdpa, eager, or flash_attention_2 (GPU, when installed)."""
+    attn_implementation: str = "auto"
+    """Attention kernel: auto (flash_attention_2 on GPU when installed, else sdpa), sdpa, eager, flash_attention_2."""
     enable_gradient_checkpointing: bool = True
     """Recompute activations in backward to save memory."""
 
@@ -30,7 +31,7 @@ class ModelConfig:
         check_choice(
             f"{prefix}.attn_implementation",
             self.attn_implementation,
-            ["sdpa", "eager", "flash_attention_2"],
+            ATTN_IMPLEMENTATIONS,
         )
 
 
