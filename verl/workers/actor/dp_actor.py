@@ -141,72 +141,35 @@ class DataParallelPPOActor:
         self.policy_loss_fn = get_policy_loss_fn(config.loss_type)
 
     # ------------------------------------------------------------------ forward
-    def _response_logits(self, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(M, V) logits predicting the M valid response tokens, and the valid-token mask (b, T)."""
-        input_ids, attention_mask, position_ids = (
-            micro["input_ids"],
-            micro["attention_mask"],
-            micro["position_ids"],
-        )
-        resp_len = micro["responses"].shape[1]
-        valid = micro["response_mask"].bool()
-        if self.config.padding_free:
-            keep = attention_mask.bool()
-            flat_index = keep.flatten().long().cumsum(0).view_as(keep) - 1
-            rows = (
-                flat_index[:, -resp_len:][valid] - 1
-            )  # the logit predicting a token sits one to the left
-            out = self.actor_module(
-                input_ids=input_ids[keep].unsqueeze(0),
-                position_ids=position_ids[keep].unsqueeze(0),
-                use_cache=False,
-                logits_to_keep=rows,
-            )
-            return out.logits[0], valid
-        out = self.actor_module(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=resp_len + 1,
-        )
-        return out.logits[:, :-1][valid], valid
+    def _model_inputs(
+        self, micro: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Model kwargs, and what picks the M rows predicting the valid response tokens.
 
-    def _model_inputs(self, micro: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
-        """Model kwargs and an index picking, from the model's (1|b, L, ·) output, the rows that
-        predict the valid response tokens (M of them)."""
-        input_ids, attention_mask, position_ids = (
-            micro["input_ids"],
-            micro["attention_mask"],
-            micro["position_ids"],
-        )
+        Padding-free: the micro-batch's valid tokens packed into one row (position ids restart per
+        sequence), and a LongTensor of row indices into it. Padded: the (b, L) batch, and a bool
+        mask over (b, L) positions.
+        """
+        ids, attn, pos = micro["input_ids"], micro["attention_mask"], micro["position_ids"]
         resp_len = micro["responses"].shape[1]
         valid = micro["response_mask"].bool()
         if self.config.padding_free:
-            keep = attention_mask.bool()
+            keep = attn.bool()
             flat_index = keep.flatten().long().cumsum(0).view_as(keep) - 1
-            rows = (
-                flat_index[:, -resp_len:][valid] - 1
-            )  # the logit predicting a token sits one to the left
-            kwargs = {
-                "input_ids": input_ids[keep].unsqueeze(0),
-                "position_ids": position_ids[keep].unsqueeze(0),
-            }
-            return kwargs, (0, rows)
-        kwargs = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-        }
-        shifted = torch.zeros_like(attention_mask, dtype=torch.bool)
-        shifted[:, -resp_len - 1 : -1] = valid
-        return kwargs, shifted
+            rows = flat_index[:, -resp_len:][valid] - 1  # a token's logit sits one position left
+            return {
+                "input_ids": ids[keep].unsqueeze(0),
+                "position_ids": pos[keep].unsqueeze(0),
+            }, rows
+        predicting = torch.zeros_like(attn, dtype=torch.bool)
+        predicting[:, -resp_len - 1 : -1] = valid
+        return {"input_ids": ids, "attention_mask": attn, "position_ids": pos}, predicting
 
     def _response_logits(self, micro: dict[str, torch.Tensor]) -> torch.Tensor:
         """(M, V) logits predicting the M valid response tokens; nothing else leaves the model."""
         kwargs, pick = self._model_inputs(micro)
-        if isinstance(pick, tuple):  # padding-free: ask the head for exactly those rows
-            return self.actor_module(**kwargs, use_cache=False, logits_to_keep=pick[1]).logits[0]
+        if pick.dtype != torch.bool:  # packed: ask the head for exactly those rows
+            return self.actor_module(**kwargs, use_cache=False, logits_to_keep=pick).logits[0]
         resp_len = micro["responses"].shape[1]
         logits = self.actor_module(**kwargs, use_cache=False, logits_to_keep=resp_len + 1).logits
         return logits[pick[:, -resp_len - 1 :]]
@@ -221,7 +184,7 @@ class DataParallelPPOActor:
         labels = micro["responses"][micro["response_mask"].bool()]
         with root_unsharded(self.actor_module):
             hidden = self.actor_module.get_decoder()(**kwargs, use_cache=False).last_hidden_state
-            hidden = hidden[0][pick[1]] if isinstance(pick, tuple) else hidden[pick]
+            hidden = hidden[0][pick] if pick.dtype != torch.bool else hidden[pick]
             head = self.actor_module.get_output_embeddings()
             parts: dict[str, list[torch.Tensor]] = defaultdict(list)
             for start in range(0, hidden.shape[0], chunk):
