@@ -1,0 +1,206 @@
+"""The pure speculative algorithm: emitted tokens follow q_λ exactly (statistical tests, fixed seeds)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from verl.trainer.core_algos.guidance import mixture_log_probs
+from verl.workers.rollout.speculative import (
+    process_log_probs,
+    speculative_generate,
+    verify_proposals,
+)
+
+D = torch.float64
+
+
+def test_process_log_probs_hand_values():
+    logits = torch.tensor([math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)], dtype=D)
+    # temperature 0.5 squares then renormalises: [.25, .09, .0225, .0025] / .365
+    expected_t = torch.tensor([0.25, 0.09, 0.0225, 0.0025], dtype=D) / 0.365
+    torch.testing.assert_close(process_log_probs(logits, 0.5).exp(), expected_t)
+    # top-k 2: [.5, .3] / .8 = [.625, .375]
+    torch.testing.assert_close(
+        process_log_probs(logits, top_k=2).exp(), torch.tensor([0.625, 0.375, 0, 0], dtype=D)
+    )
+    # top-p 0.7: mass before each (descending) = 0, .5, .8, .95 -> keep the first two -> [.625, .375]
+    torch.testing.assert_close(
+        process_log_probs(logits, top_p=0.7).exp(), torch.tensor([0.625, 0.375, 0, 0], dtype=D)
+    )
+    # top-p 0.5: only the top token (mass before the second is exactly 0.5)
+    torch.testing.assert_close(
+        process_log_probs(logits, top_p=0.5).exp(), torch.tensor([1.0, 0, 0, 0], dtype=D)
+    )
+
+
+def _chi2_ok(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token with zero probability was emitted"
+    expected = probs[keep] * counts.sum()
+    return chisquare(
+        counts[keep].numpy(), expected.numpy() * counts[keep].sum().item() / expected.sum().item()
+    ).pvalue
+
+
+P1 = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05], dtype=D)
+Q1 = torch.tensor([0.05, 0.1, 0.2, 0.25, 0.4], dtype=D)
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.3, 0.5, 1.0])
+def test_single_step_emits_q_lambda(lam):
+    n = 40_000
+    gen = torch.Generator().manual_seed(int(lam * 100) + 1)
+    proposals = torch.multinomial(P1, n, replacement=True, generator=gen).unsqueeze(-1)
+    result = verify_proposals(
+        proposals,
+        torch.ones(n, dtype=torch.long),
+        P1.log().expand(n, 1, 5),
+        Q1.log().expand(n, 1, 5),
+        lam,
+        gen,
+    )
+    assert torch.all(result.num_emitted == 1)
+    counts = torch.bincount(result.tokens[:, 0], minlength=5).to(D)
+    target = (1 - lam) * P1 + lam * Q1
+    assert _chi2_ok(counts, target) > 1e-3
+    # provenance: λ = 0 never emits a guidance token; the off-policy share is TV(q_λ, p) = λ·TV(q, p)
+    tv = 0.5 * (target - P1).abs().sum().item()
+    share = result.offpolicy.double().mean().item()
+    assert share == pytest.approx(tv, abs=4 * math.sqrt(max(tv * (1 - tv), 1e-12) / n) + 1e-12)
+    if lam == 0.0:
+        assert not result.offpolicy.any()
+    # recorded log-probs are those of the emitted tokens
+    torch.testing.assert_close(result.draft_log_probs[:, 0], P1.log()[result.tokens[:, 0]])
+    torch.testing.assert_close(result.guidance_log_probs[:, 0], Q1.log()[result.tokens[:, 0]])
+
+
+def test_offpolicy_marks_exactly_the_residual_token():
+    # proposal token 0 has q = 0 and λ = 1: always rejected; the residual max(0, q - p) has
+    # support only where q > p, i.e. tokens 2, 3, 4
+    n = 2000
+    p = torch.tensor([0.6, 0.3, 0.1, 0.0, 0.0], dtype=D)
+    q = torch.tensor([0.0, 0.2, 0.3, 0.25, 0.25], dtype=D)
+    proposals = torch.tensor([[0, 1]]).expand(n, 2)
+    result = verify_proposals(
+        proposals, torch.full((n,), 2), p.log().expand(n, 2, 5), q.log().expand(n, 2, 5), 1.0
+    )
+    assert torch.all(result.num_accepted == 0) and torch.all(result.num_emitted == 1)
+    assert torch.all(result.offpolicy[:, 0]) and not result.offpolicy[:, 1].any()
+    assert set(result.tokens[:, 0].tolist()) <= {2, 3, 4}
+    assert torch.all(result.tokens[:, 1] == -1)  # the second proposal is dropped
+    # a proposal the guidance likes at least as much (q/p >= 1) is always accepted, never marked
+    good = verify_proposals(torch.tensor([[2, 3]]).expand(n, 2), torch.full((n,), 2),
+                            p.clamp(min=1e-9).log().expand(n, 2, 5), q.log().expand(n, 2, 5), 0.7)  # fmt: skip
+    assert torch.all(good.num_accepted == 2) and not good.offpolicy.any()
+
+
+# ---------------------------------------------------------------------------------------- loop
+
+V = 3
+P_CHAIN = torch.tensor(
+    [[0.6, 0.3, 0.1], [0.2, 0.5, 0.3], [0.3, 0.3, 0.4]], dtype=D
+)  # p(next | prev)
+Q_CHAIN = torch.tensor([[0.1, 0.2, 0.7], [0.6, 0.1, 0.3], [0.25, 0.5, 0.25]], dtype=D)
+
+
+def toy_engines(gen: torch.Generator):
+    """Vectorised toy draft / guidance 'models': Markov chains over V tokens."""
+
+    def propose(prefixes, budget):
+        k = max(budget)
+        last = torch.tensor([p[-1] for p in prefixes])
+        proposals = torch.full((len(prefixes), k), -1, dtype=torch.long)
+        tables = torch.zeros(len(prefixes), k, V, dtype=D)
+        for j in range(k):
+            tables[:, j] = P_CHAIN[last].log()
+            nxt = torch.multinomial(P_CHAIN[last], 1, generator=gen).squeeze(-1)
+            proposals[:, j] = nxt
+            last = nxt
+        num = torch.tensor(budget)
+        proposals[torch.arange(k) >= num.unsqueeze(-1)] = -1
+        return proposals, num, tables
+
+    def score(prefixes, proposals, num):
+        prev = torch.cat(
+            [torch.tensor([[p[-1]] for p in prefixes]), proposals[:, :-1].clamp(min=0)], dim=1
+        )
+        return Q_CHAIN[prev].log()
+
+    return propose, score
+
+
+def chain_prob(seq, lam, start=0, eos=None):
+    prob, prev = 1.0, start
+    mix = (1 - lam) * P_CHAIN + lam * Q_CHAIN
+    for tok in seq:
+        prob *= mix[prev, tok].item()
+        prev = tok
+    return prob
+
+
+@pytest.mark.parametrize(("lam", "k"), [(0.5, 1), (0.5, 2), (0.5, 4), (1.0, 3), (0.0, 2), (0.8, 3)])
+def test_generated_sequences_follow_q_lambda(lam, k):
+    n, length = 30_000, 3
+    gen = torch.Generator().manual_seed(k * 10 + int(lam * 10))
+    propose, score = toy_engines(gen)
+    seqs, stats = speculative_generate([[0]] * n, propose, score, lam, k, length, None, gen)
+    outcomes = list(itertools.product(range(V), repeat=length))
+    index = {o: i for i, o in enumerate(outcomes)}
+    counts = torch.zeros(len(outcomes), dtype=D)
+    for s in seqs:
+        counts[index[tuple(s.tokens)]] += 1
+    probs = torch.tensor([chain_prob(o, lam) for o in outcomes], dtype=D)
+    assert _chi2_ok(counts, probs) > 1e-3
+    assert stats.emitted == n * length
+    if lam == 0.0:
+        assert stats.accept_rate == 1.0 and not any(any(s.offpolicy) for s in seqs)
+    # every token's recorded log-probs are the chains' values, and the exact behavior is log q_λ
+    s = seqs[0]
+    prevs = [0, *s.tokens[:-1]]
+    for tok, prev, lp, lq in zip(
+        s.tokens, prevs, s.draft_log_probs, s.guidance_log_probs, strict=True
+    ):
+        assert lp == pytest.approx(math.log(P_CHAIN[prev, tok]))
+        assert lq == pytest.approx(math.log(Q_CHAIN[prev, tok]))
+    behavior = mixture_log_probs(
+        torch.tensor(s.draft_log_probs, dtype=D),
+        torch.tensor(s.guidance_log_probs, dtype=D),
+        None,
+        lam,
+    )
+    expected = [
+        math.log(chain_prob([t], lam, start=p)) for t, p in zip(s.tokens, prevs, strict=True)
+    ]
+    torch.testing.assert_close(behavior, torch.tensor(expected, dtype=D))
+
+
+def test_eos_ends_a_sequence_and_lengths_follow_q_lambda():
+    # token 2 is EOS: sequences are 1..3 tokens long, probability of each from the chain
+    n, lam, eos = 30_000, 0.5, 2
+    gen = torch.Generator().manual_seed(7)
+    base_propose, score = toy_engines(gen)
+
+    def propose(prefixes, budget):  # the draft stops after proposing EOS, like vLLM
+        proposals, num, tables = base_propose(prefixes, budget)
+        for b in range(len(prefixes)):
+            hits = (proposals[b, : num[b]] == eos).nonzero()
+            if hits.numel():
+                num[b] = int(hits[0]) + 1
+                proposals[b, num[b] :] = -1
+        return proposals, num, tables
+
+    seqs, _ = speculative_generate([[0]] * n, propose, score, lam, 3, 3, eos, gen)
+    outcomes = [o for length in (1, 2, 3) for o in itertools.product(range(V), repeat=length)
+                if (eos not in o[:-1]) and (len(o) == 3 or o[-1] == eos)]  # fmt: skip
+    index = {o: i for i, o in enumerate(outcomes)}
+    counts = torch.zeros(len(outcomes), dtype=D)
+    for s in seqs:
+        counts[index[tuple(s.tokens)]] += 1
+    probs = torch.tensor([chain_prob(o, lam) for o in outcomes], dtype=D)
+    assert probs.sum().item() == pytest.approx(1.0)
+    assert _chi2_ok(counts, probs) > 1e-3

@@ -1,0 +1,203 @@
+"""Speculative guidance, the pure algorithm (DESIGN.md §3): emitted tokens follow q_λ exactly.
+
+Notation: p the draft's processed next-token distribution, q the guidance's, λ in [0, 1],
+q_λ = (1-λ)·p + λ·q. One round for a batch of sequences:
+  1. the draft proposes up to k tokens x_1..x_n ~ p (with the tables p(·) at each position);
+  2. the guidance gives q(·) at the same positions;
+  3. x_i is accepted with probability min(1, q_λ(x_i)/p(x_i)) = min(1, (1-λ) + λ·q(x_i)/p(x_i));
+  4. at the first rejection a token y ~ r(y) ∝ max(0, q(y) - p(y)) is emitted instead, marked
+     off-policy, and the remaining proposals are dropped.
+This is speculative sampling with target q_λ and proposal p, so every emitted token is an exact
+sample of q_λ given its prefix (Leviathan et al., https://arxiv.org/abs/2211.17192). No bonus
+token is drawn after a fully accepted round; the next round continues from the new prefix.
+
+This module imports neither vLLM nor torch.distributed: it works on token ids and (B, k, V)
+log-prob tables, so it is tested exactly on CPU with toy models. The engine driver feeds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def process_log_probs(
+    log_probs: torch.Tensor, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0
+) -> torch.Tensor:
+    """Sampling-processed log-probs: softmax(z / T), then top-k, then top-p (nucleus) truncation.
+
+    `log_probs` are raw log-probs or logits over the last dim (..., V); -inf marks excluded tokens.
+    Top-p keeps the smallest set of most likely tokens whose mass reaches `top_p` (the token that
+    crosses the threshold is kept). Returns normalised log-probs (..., V). (B, T, V) -> (B, T, V).
+    """
+    z = log_probs / temperature
+    if top_k is not None and 0 < top_k < z.shape[-1]:
+        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, NEG_INF)
+    z = torch.log_softmax(z, dim=-1)
+    if top_p < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_z.exp(), dim=-1) - sorted_z.exp()
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        z = torch.log_softmax(z.masked_fill(drop, NEG_INF), dim=-1)
+    return z
+
+
+@dataclass
+class VerifyResult:
+    """What one round emits, per sequence (tensors padded to k)."""
+
+    tokens: torch.Tensor
+    """(B, k) emitted token ids, -1 after `num_emitted`."""
+    num_emitted: torch.Tensor
+    """(B,) tokens emitted this round (accepted proposals + at most one residual token)."""
+    num_accepted: torch.Tensor
+    """(B,) draft proposals accepted."""
+    offpolicy: torch.Tensor
+    """(B, k) True for the residual token (emitted by the guidance), False elsewhere."""
+    draft_log_probs: torch.Tensor
+    """(B, k) log p(emitted token) (processed draft distribution; -inf where p = 0)."""
+    guidance_log_probs: torch.Tensor
+    """(B, k) log q(emitted token) (processed guidance distribution)."""
+
+
+def verify_proposals(
+    proposals: torch.Tensor,
+    num_proposed: torch.Tensor,
+    draft_log_probs: torch.Tensor,
+    guidance_log_probs: torch.Tensor,
+    lam: float,
+    generator: torch.Generator | None = None,
+) -> VerifyResult:
+    """Accept / reject a batch of proposals so the emitted tokens follow q_λ = (1-λ)p + λq.
+
+    Shapes: proposals (B, k) long, num_proposed (B,), draft/guidance log-probs (B, k, V) of the
+    processed distributions at each proposal position. Returns a `VerifyResult`.
+    Paper: https://arxiv.org/abs/2211.17192 (speculative sampling, exact for any target).
+    """
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lam must lie in [0, 1], got {lam}")
+    batch, k = proposals.shape
+    device = proposals.device
+    idx = proposals.clamp(min=0).unsqueeze(-1)
+    log_p_x = draft_log_probs.gather(-1, idx).squeeze(-1)
+    log_q_x = guidance_log_probs.gather(-1, idx).squeeze(-1)
+    ratio = (1.0 - lam) + lam * torch.exp(log_q_x - log_p_x)
+    uniform = torch.rand(batch, k, generator=generator, device=device, dtype=draft_log_probs.dtype)
+    proposed = torch.arange(k, device=device).unsqueeze(0) < num_proposed.unsqueeze(-1)
+    rejected = proposed & (uniform >= ratio.clamp(max=1.0))
+    has_reject = rejected.any(dim=-1)
+    first_reject = torch.where(has_reject, rejected.float().argmax(dim=-1), num_proposed)
+    num_accepted = first_reject
+    num_emitted = first_reject + has_reject.long()
+
+    tokens = torch.where(torch.arange(k, device=device) < num_accepted.unsqueeze(-1), proposals, -1)
+    offpolicy = torch.zeros(batch, k, dtype=torch.bool, device=device)
+    rows = has_reject.nonzero().squeeze(-1)
+    if rows.numel():
+        pos = first_reject[rows]
+        q = guidance_log_probs[rows, pos].exp()
+        p = draft_log_probs[rows, pos].exp()
+        residual = (q - p).clamp(min=0.0)
+        empty = residual.sum(-1, keepdim=True) <= 0  # only reachable through rounding: use q
+        residual = torch.where(empty, q, residual)
+        tokens[rows, pos] = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+        offpolicy[rows, pos] = True
+    emitted = tokens.clamp(min=0).unsqueeze(-1)
+    valid = tokens >= 0
+    return VerifyResult(
+        tokens=tokens,
+        num_emitted=num_emitted,
+        num_accepted=num_accepted,
+        offpolicy=offpolicy,
+        draft_log_probs=torch.where(valid, draft_log_probs.gather(-1, emitted).squeeze(-1), 0.0),
+        guidance_log_probs=torch.where(
+            valid, guidance_log_probs.gather(-1, emitted).squeeze(-1), 0.0
+        ),
+    )
+
+
+@dataclass
+class GuidedSequence:
+    """One generated response with provenance and both log-probs of every token."""
+
+    tokens: list[int] = field(default_factory=list)
+    offpolicy: list[bool] = field(default_factory=list)
+    draft_log_probs: list[float] = field(default_factory=list)
+    guidance_log_probs: list[float] = field(default_factory=list)
+    finished: bool = False
+
+
+ProposeFn = Callable[[list[list[int]], list[int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+ScoreFn = Callable[[list[list[int]], torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class RoundStats:
+    """Counters over a whole generation."""
+
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    @property
+    def accept_rate(self) -> float:
+        """Accepted / proposed draft tokens."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+def speculative_generate(
+    prompts: list[list[int]],
+    propose: ProposeFn,
+    score: ScoreFn,
+    lam: float,
+    num_speculative_tokens: int,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+    generator: torch.Generator | None = None,
+) -> tuple[list[GuidedSequence], RoundStats]:
+    """Generate responses whose tokens follow q_λ, round by round, for a batch of prompts.
+
+    `propose(prefixes, n)` returns (proposals (B, k) with -1 padding, num_proposed (B,),
+    draft log-prob tables (B, k, V)): up to n[b] draft tokens per prefix, stopping after EOS.
+    `score(prefixes, proposals, num_proposed)` returns the guidance tables (B, k, V) at the same
+    positions. Both get only the still-active sequences. Stops at EOS or `max_new_tokens`.
+    """
+    seqs = [GuidedSequence() for _ in prompts]
+    stats = RoundStats()
+    while True:
+        active = [i for i, s in enumerate(seqs) if not s.finished]
+        if not active:
+            return seqs, stats
+        prefixes = [prompts[i] + seqs[i].tokens for i in active]
+        budget = [min(num_speculative_tokens, max_new_tokens - len(seqs[i].tokens)) for i in active]
+        proposals, num_proposed, draft_tables = propose(prefixes, budget)
+        guidance_tables = score(prefixes, proposals, num_proposed)
+        result = verify_proposals(
+            proposals, num_proposed, draft_tables, guidance_tables, lam, generator
+        )
+        stats.rounds += 1
+        stats.proposed += int(num_proposed.sum())
+        stats.accepted += int(result.num_accepted.sum())
+        for row, i in enumerate(active):
+            seq = seqs[i]
+            if int(result.num_emitted[row]) == 0:
+                raise RuntimeError(f"sequence {i}: the draft proposed no token (budget {budget[row]})")
+            for j in range(int(result.num_emitted[row])):
+                token = int(result.tokens[row, j])
+                seq.tokens.append(token)
+                seq.offpolicy.append(bool(result.offpolicy[row, j]))
+                seq.draft_log_probs.append(float(result.draft_log_probs[row, j]))
+                seq.guidance_log_probs.append(float(result.guidance_log_probs[row, j]))
+                stats.emitted += 1
+                if token == eos_token_id:
+                    seq.finished = True
+                    break
+            if len(seq.tokens) >= max_new_tokens:
+                seq.finished = True
