@@ -188,7 +188,9 @@ def speculative_generate(
         for row, i in enumerate(active):
             seq = seqs[i]
             if int(result.num_emitted[row]) == 0:
-                raise RuntimeError(f"sequence {i}: the draft proposed no token (budget {budget[row]})")
+                raise RuntimeError(
+                    f"sequence {i}: the draft proposed no token (budget {budget[row]})"
+                )
             for j in range(int(result.num_emitted[row])):
                 token = int(result.tokens[row, j])
                 seq.tokens.append(token)

