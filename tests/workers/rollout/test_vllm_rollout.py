@@ -175,3 +175,46 @@ def test_overlong_prompt_is_refused(guided):
     rollout, tok = guided
     with pytest.raises(ValueError, match=r"longer than worker\.rollout\.prompt_length=16"):
         rollout.generate_sequences(prompt_batch(tok, ["1234567890+1234567890="]))
+
+
+def test_mix_mode_gives_exactly_mix_num_samples_guidance_responses(models):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models[0])
+    mix = VLLMRollout(
+        models[0],
+        rollout_config(models[1], mode="mix", mix_num_samples=2),
+        tok.eos_token_id,
+        tok.pad_token_id,
+    )
+    out = mix.generate_sequences(prompt_batch(tok, ["1+1=", "2+3=", "9+9="], n=5))
+    mask, off = out.batch["response_mask"].bool(), out.batch["offpolicy_mask"]
+    per_response = (off & mask).any(-1).view(3, 5)
+    assert per_response.sum(-1).tolist() == [2, 2, 2]
+    assert torch.all(
+        (off & mask) == (per_response.view(-1, 1) & mask)
+    )  # whole responses, not tokens
+    # behavior is the emitting engine's own log-prob: guidance for guidance responses, draft otherwise
+    torch.testing.assert_close(out.batch["behavior_log_probs"], out.batch["guidance_log_probs"])
+
+
+def test_weight_sync_makes_vllm_match_the_new_hf_weights(models):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models[0])
+    plain = VLLMRollout(models[0], rollout_config(None), tok.eos_token_id, tok.pad_token_id)
+    model = AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.2 * torch.randn(param.shape, generator=gen))
+    plain.sync_weights(model.state_dict())
+    out = plain.generate_sequences(prompt_batch(tok, ["12+7="], n=6))
+    b = out.batch
+    for i in range(6):
+        ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
+        n = int(b["response_mask"][i].sum())
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, -n - 1 : -1], -1)
+        expected = logp.gather(-1, ids[0, -n:].unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(b["rollout_log_probs"][i, :n], expected, rtol=0, atol=1e-4)
