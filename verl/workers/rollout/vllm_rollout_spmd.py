@@ -2,9 +2,9 @@
 
 The draft engine samples (and reports) processed log-probs (`logprobs_mode=processed_logprobs`);
 the guidance engine scores the proposals with `prompt_logprobs`, which vLLM returns raw, so q is
-processed here with the guidance's sampling settings. Guidance scoring reads the prefix cache
-(`skip_reading_prefix_cache=False`) and uses only positions past the cached prefix (the proposal
-positions always are), with `detokenize=False`: entries of cached positions are not valid.
+processed here with the guidance's sampling settings (`detokenize=False` throughout: we work on
+token ids). Scoring re-reads the whole prefix each round (vLLM bypasses the prefix cache for
+prompt_logprobs), so guidance cost grows with the prefix; see the benchmark figures.
 """
 
 from __future__ import annotations
@@ -55,6 +55,10 @@ def _dense(entries: dict, vocab: int) -> torch.Tensor:
     """A vLLM {token_id: Logprob} dict as a dense (V,) log-prob row, -inf where absent."""
     row = torch.full((vocab,), float("-inf"), dtype=torch.float64)
     ids = torch.tensor(list(entries.keys()), dtype=torch.long)
+    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab):
+        raise RuntimeError(
+            f"engine returned log-probs for token ids outside [0, {vocab}): {ids.min()}..{ids.max()}"
+        )
     row[ids] = torch.tensor([e.logprob for e in entries.values()], dtype=torch.float64)
     return row
 
@@ -113,7 +117,8 @@ class VLLMRollout:
 
         cfg = self.config
         kwargs = dict(temperature=self._temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=max_tokens,
-                      logprobs=logprobs, seed=seed, detokenize=False, stop_token_ids=[self.eos_token_id])  # fmt: skip
+                      logprobs=logprobs, seed=seed, detokenize=False, ignore_eos=self._ignore_eos,
+                      stop_token_ids=[] if self._ignore_eos else [self.eos_token_id])  # fmt: skip
         kwargs.update(overrides)
         return SamplingParams(**kwargs)
 
@@ -148,8 +153,9 @@ class VLLMRollout:
     def _score(self, prefixes: list[list[int]], proposals: torch.Tensor, num: torch.Tensor):
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=1, prompt_logprobs=self.num_logprobs, detokenize=False,
-                                skip_reading_prefix_cache=False)  # fmt: skip
+        # vLLM's default for prompt_logprobs bypasses the prefix cache: reading it gave invalid entries
+        # even past the cached prefix (a token id of -50905208 seen here), so correctness first.
+        params = SamplingParams(max_tokens=1, prompt_logprobs=self.num_logprobs, detokenize=False)
         requests = [
             {"prompt_token_ids": p + proposals[b, : num[b]].tolist()}
             for b, p in enumerate(prefixes)
@@ -175,6 +181,13 @@ class VLLMRollout:
         valid = torch.arange(proposals.shape[1]) < num.unsqueeze(-1)
         self._tail_mass.append((1.0 - tables.exp().sum(-1))[valid].clamp(min=0.0))
         processing = self._guidance_processing()
+        if (
+            processing["temperature"] == 1.0
+            and processing["top_k"] in (-1, 0, None)
+            and processing["top_p"] >= 1.0
+        ):
+            return tables  # raw = processed: exact for every listed token, even with top-K tables
+        # with top-K tables the renormalisation over K tokens is approximate (tail mass reported)
         return process_log_probs(tables, **processing)
 
     # ------------------------------------------------------------------ generation
@@ -184,6 +197,7 @@ class VLLMRollout:
         meta = prompts.meta_info
         n = meta.get("n", self.config.n)
         self._temperature = float(meta.get("temperature", self.config.temperature))
+        self._ignore_eos = bool(meta.get("ignore_eos", False))
         self._max_tokens = min(
             int(meta.get("max_tokens", self.config.response_length)), self.config.response_length
         )
@@ -213,7 +227,7 @@ class VLLMRollout:
                     return self._propose(prefixes, budget, rng.integers(0, 2**31, len(prefixes)))
 
                 seqs, stats = speculative_generate(repeated, propose, self._score, lam, guidance.num_speculative_tokens,
-                                                   self._max_tokens, self.eos_token_id, gen)  # fmt: skip
+                                                   self._max_tokens, None if self._ignore_eos else self.eos_token_id, gen)  # fmt: skip
         out = self._to_dataproto(repeated, seqs, lam, guidance)
         out.non_tensor_batch = {
             k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()

@@ -1,0 +1,119 @@
+"""Guided rollout cost vs draft-only, as ratios measured in one run (2-core CPU: times are noisy).
+
+The same prompts and response lengths (`ignore_eos`) are generated draft-only and with
+speculative guidance (λ = 0.5) by a tiny pair: the guidance is twice the draft's width.
+Reported: wall-time ratio guided / draft-only (goal <= 2.0) and guidance tokens computed per
+emitted token, from the guidance engine's prompt lengths minus its prefix-cache hits
+(goal <= 2), for the default CPU KV block (128) and for `kv_block_size=32`.
+
+Usage:
+    python benchmarks/bench_guided_rollout.py
+    python benchmarks/bench_guided_rollout.py --prompts 32 --response 32 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch
+
+from verl.protocol import DataProto
+from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+from verl.workers.rollout.config import RolloutConfig
+from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
+
+
+def rollout(
+    draft: str, guidance: str | None, args: argparse.Namespace, block: int | None, tok
+) -> VLLMRollout:
+    cfg = RolloutConfig(n=1, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.03, seed=0,
+                        prompt_length=args.prompt_len + 2, response_length=args.response, kv_block_size=block)  # fmt: skip
+    g = cfg.offpolicy_guidance
+    g.enable, g.model_path, g.dtype, g.gpu_memory_utilization = (
+        bool(guidance),
+        guidance,
+        "float32",
+        0.03,
+    )
+    g.logprobs, g.num_speculative_tokens, g.lam = args.logprobs, args.k, 0.5
+    return VLLMRollout(draft, cfg, tok.eos_token_id, tok.pad_token_id)
+
+
+def prompts(tok, count: int, length: int) -> DataProto:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, len(tok), (count, length), generator=gen)
+    return DataProto.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                               meta_info={"ignore_eos": True, "lam": 0.5})  # fmt: skip
+
+
+def timed(engine: VLLMRollout, batch: DataProto) -> tuple[float, DataProto]:
+    start = time.perf_counter()
+    out = engine.generate_sequences(batch)
+    return time.perf_counter() - start, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--response", type=int, default=64)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--logprobs", type=int, default=20, help="top-K log-probs per position")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    root = tempfile.mkdtemp(prefix="bench_guided_")
+    draft = save_tiny_lm(
+        f"{root}/draft", TinyLMSpec(hidden_size=128, num_hidden_layers=2, vocab_size=100, seed=1)
+    )
+    guide = save_tiny_lm(
+        f"{root}/guidance", TinyLMSpec(hidden_size=256, num_hidden_layers=2, vocab_size=100, seed=2)
+    )
+    tok = AutoTokenizer.from_pretrained(draft)
+    batch = prompts(tok, args.prompts, args.prompt_len)
+    engines = {"draft-only": rollout(draft, None, args, None, tok), "guided (block 128)": rollout(draft, guide, args, None, tok),
+               "guided (block 32)": rollout(draft, guide, args, 32, tok)}  # fmt: skip
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    meta = {}
+    for engine in engines.values():  # warm-up (compilation, caches)
+        timed(engine, batch)
+    for _ in range(args.repeats):
+        for name, engine in engines.items():
+            seconds, out = timed(engine, batch)
+            times[name].append(seconds)
+            meta[name] = out.meta_info
+            assert int(out.batch["response_mask"].sum()) == args.prompts * args.response
+    base = statistics.median(times["draft-only"])
+    print(f"torch {torch.__version__}, {args.prompts} prompts x {args.prompt_len} tokens, {args.response} new tokens, "
+          f"k={args.k}, top-{args.logprobs} log-probs, λ=0.5")  # fmt: skip
+    for name, t in times.items():
+        m = meta[name]
+        extra = ""
+        if "guidance_tokens_per_emitted" in m:
+            extra = f"  guidance tokens/emitted {m['guidance_tokens_per_emitted']:.2f}  accept {m['accept_rate']:.2f}  rounds {m['rounds']}"
+        print(
+            f"{name:20s} median {statistics.median(t):7.2f} s  ({', '.join(f'{x:.2f}' for x in t)}){extra}"
+        )
+    print("\n=== summary (ratios from one run) ===")
+    for name in ("guided (block 128)", "guided (block 32)"):
+        ratio = statistics.median(times[name]) / base
+        print(
+            f"{name}: wall time {ratio:.2f}x draft-only (goal <= 2.0); "
+            f"{meta[name]['guidance_tokens_per_emitted']:.2f} guidance tokens computed per emitted token (goal <= 2)"
+        )
+
+
+if __name__ == "__main__":
+    main()
