@@ -218,3 +218,31 @@ def test_weight_sync_makes_vllm_match_the_new_hf_weights(models):
             logp = torch.log_softmax(model(ids).logits[0, -n - 1 : -1], -1)
         expected = logp.gather(-1, ids[0, -n:].unsqueeze(-1)).squeeze(-1)
         torch.testing.assert_close(b["rollout_log_probs"][i, :n], expected, rtol=0, atol=1e-4)
+
+
+def test_prefix_cache_reuse_is_exact_across_block_boundaries(models):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models[0])
+    cfg = rollout_config(models[1], num_speculative_tokens=4)
+    cfg.kv_block_size, cfg.prompt_length, cfg.response_length = 32, 16, 24
+    rollout = VLLMRollout(models[0], cfg, tok.eos_token_id, tok.pad_token_id)
+    text = (
+        "0123456789+12345"  # 16 tokens: after 16 emitted tokens the prefix ends on a block boundary
+    )
+    out = rollout.generate_sequences(prompt_batch(tok, [text], n=8, lam=0.5, ignore_eos=True))
+    assert (
+        out.meta_info["guidance_rescored_requests"] > 0
+    )  # the boundary case happened and was handled
+    emitted = out.meta_info["emitted_tokens"]
+    # the cache saved work: fewer tokens computed than submitted (re-scored requests count in full)
+    assert out.meta_info["guidance_tokens_computed"] < out.meta_info["guidance_tokens_submitted"]
+    b = out.batch
+    hf = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32) for p in models]
+    for i in range(8):
+        ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
+        with torch.no_grad():
+            p, q = (torch.softmax(m(ids).logits[0, -25:-1].double(), -1) for m in hf)
+        exact = (0.5 * p + 0.5 * q).log().gather(-1, ids[0, -24:].unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(b["behavior_log_probs"][i].double(), exact, rtol=0, atol=1e-3)
+    assert emitted == 8 * 24

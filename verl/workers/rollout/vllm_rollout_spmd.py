@@ -3,8 +3,7 @@
 The draft engine samples (and reports) processed log-probs (`logprobs_mode=processed_logprobs`);
 the guidance engine scores the proposals with `prompt_logprobs`, which vLLM returns raw, so q is
 processed here with the guidance's sampling settings (`detokenize=False` throughout: we work on
-token ids). Scoring re-reads the whole prefix each round (vLLM bypasses the prefix cache for
-prompt_logprobs), so guidance cost grows with the prefix; see the benchmark figures.
+token ids). Scoring reads the prefix cache; see `_score` for when an entry is valid.
 """
 
 from __future__ import annotations
@@ -87,7 +86,9 @@ class VLLMRollout:
         vocab = AutoConfig.from_pretrained(model_path).vocab_size
         if guidance.enable:
             vocab = max(vocab, AutoConfig.from_pretrained(guidance.model_path).vocab_size)
-        max_len = config.prompt_length + config.response_length
+        max_len = (
+            config.prompt_length + config.response_length + 1
+        )  # scoring requests need one output slot
         common = dict(max_model_len=max_len, enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
                       max_num_batched_tokens=max(config.max_num_batched_tokens, max_len))  # fmt: skip
         if config.kv_block_size is not None:
@@ -151,31 +152,50 @@ class VLLMRollout:
         return proposals, num, tables
 
     def _score(self, prefixes: list[list[int]], proposals: torch.Tensor, num: torch.Tensor):
+        """Guidance log-prob tables at the proposal positions, reading the prefix cache safely.
+
+        vLLM fills prompt log-prob row t only if position t-1 was computed in this request, so the
+        first proposal (index len(prefix)) is valid only when the cache covers at most
+        len(prefix) - 1 tokens. Requests whose cache reached further (a prefix ending exactly on
+        a block boundary) are scored again without the cache.
+        """
         from vllm import SamplingParams
 
-        # vLLM's default for prompt_logprobs bypasses the prefix cache: reading it gave invalid entries
-        # even past the cached prefix (a token id of -50905208 seen here), so correctness first.
-        params = SamplingParams(max_tokens=1, prompt_logprobs=self.num_logprobs, detokenize=False)
         requests = [
             {"prompt_token_ids": p + proposals[b, : num[b]].tolist()}
             for b, p in enumerate(prefixes)
         ]
-        outputs = self.engines.guidance.generate(requests, params, use_tqdm=False)
+        cached = SamplingParams(max_tokens=1, prompt_logprobs=self.num_logprobs, detokenize=False,
+                                skip_reading_prefix_cache=False)  # fmt: skip
+        outputs = self.engines.guidance.generate(requests, cached, use_tqdm=False)
+        redo = [
+            b
+            for b, out in enumerate(outputs)
+            if (out.num_cached_tokens or 0) > len(prefixes[b]) - 1
+        ]
+        self._guidance_submitted += sum(len(r["prompt_token_ids"]) for r in requests)
+        self._guidance_tokens += sum(
+            len(r["prompt_token_ids"]) - (o.num_cached_tokens or 0)
+            for r, o in zip(requests, outputs, strict=True)
+        )
+        if redo:
+            uncached = SamplingParams(
+                max_tokens=1, prompt_logprobs=self.num_logprobs, detokenize=False
+            )
+            again = self.engines.guidance.generate(
+                [requests[b] for b in redo], uncached, use_tqdm=False
+            )
+            for b, out in zip(redo, again, strict=True):
+                outputs[b] = out
+                self._guidance_tokens += len(requests[b]["prompt_token_ids"])
+            self._rescored += len(redo)
         tables = torch.full(
             (len(prefixes), proposals.shape[1], self.engines.vocab),
             float("-inf"),
             dtype=torch.float64,
         )
-        self._guidance_tokens += sum(
-            len(r["prompt_token_ids"]) - (o.num_cached_tokens or 0)
-            for r, o in zip(requests, outputs, strict=True)
-        )
         for b, out in enumerate(outputs):
             start = len(prefixes[b])
-            if (out.num_cached_tokens or 0) > start:
-                raise RuntimeError(
-                    "guidance prefix cache covered a proposal position; its log-probs would be invalid"
-                )
             for j in range(int(num[b])):
                 tables[b, j] = _dense(out.prompt_logprobs[start + j], self.engines.vocab)
         valid = torch.arange(proposals.shape[1]) < num.unsqueeze(-1)
@@ -211,7 +231,12 @@ class VLLMRollout:
         repeated = [ids for ids in prompt_ids for _ in range(n)]
         seed = int(meta.get("seed", self.config.seed)) + 7919 * int(meta.get("global_step", 0))
         rng = np.random.default_rng(seed)
-        self._guidance_tokens, self._tail_mass = 0, []
+        self._guidance_tokens, self._tail_mass, self._rescored, self._guidance_submitted = (
+            0,
+            [],
+            0,
+            0,
+        )
         if not guidance.enable:
             seqs, stats, lam = self._draft_only(repeated, rng), None, 0.0
         else:
@@ -233,6 +258,8 @@ class VLLMRollout:
             k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()
         }
         out.meta_info.update(_round_meta(stats, self._guidance_tokens, out, lam))
+        out.meta_info["guidance_rescored_requests"] = self._rescored
+        out.meta_info["guidance_tokens_submitted"] = self._guidance_submitted
         if self._tail_mass:
             out.meta_info["topk_tail_mass"] = float(torch.cat(self._tail_mass).mean())
         return out
