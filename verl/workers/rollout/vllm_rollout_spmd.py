@@ -50,15 +50,31 @@ def engine_memory_args(memory_share: float) -> dict:
     return {"kv_cache_memory_bytes": int(memory_share * psutil.virtual_memory().total)}
 
 
-def _dense(entries: dict, vocab: int) -> torch.Tensor:
-    """A vLLM {token_id: Logprob} dict as a dense (V,) log-prob row, -inf where absent."""
+def _entries(logprobs, pos: int) -> tuple[list[int], list[float]]:
+    """Token ids and log-probs listed at position `pos` of vLLM's logprobs (flat or per-position dicts)."""
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs: a constant number of Python objects
+        start, end = logprobs.start_indices[pos], logprobs.end_indices[pos]
+        return logprobs.token_ids[start:end], logprobs.logprobs[start:end]
+    entries = logprobs[pos]
+    return list(entries.keys()), [e.logprob for e in entries.values()]
+
+
+def _logprob_of(logprobs, pos: int, token: int) -> float:
+    """The log-prob vLLM reported for `token` at position `pos` (the sampled token is always listed)."""
+    ids, values = _entries(logprobs, pos)
+    return values[ids.index(token)]
+
+
+def _dense(logprobs, pos: int, vocab: int) -> torch.Tensor:
+    """The listed log-probs at `pos` as a dense (V,) row, -inf where a token is not listed."""
+    ids, values = _entries(logprobs, pos)
     row = torch.full((vocab,), float("-inf"), dtype=torch.float64)
-    ids = torch.tensor(list(entries.keys()), dtype=torch.long)
-    if ids.numel() and (ids.min() < 0 or ids.max() >= vocab):
+    ids_t = torch.tensor(ids, dtype=torch.long)
+    if ids_t.numel() and (ids_t.min() < 0 or ids_t.max() >= vocab):
         raise RuntimeError(
-            f"engine returned log-probs for token ids outside [0, {vocab}): {ids.min()}..{ids.max()}"
+            f"engine returned log-probs for token ids outside [0, {vocab}): {ids_t.min()}..{ids_t.max()}"
         )
-    row[ids] = torch.tensor([e.logprob for e in entries.values()], dtype=torch.float64)
+    row[ids_t] = torch.tensor(values, dtype=torch.float64)
     return row
 
 
@@ -118,7 +134,7 @@ class VLLMRollout:
 
         cfg = self.config
         kwargs = dict(temperature=self._temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=max_tokens,
-                      logprobs=logprobs, seed=seed, detokenize=False, ignore_eos=self._ignore_eos,
+                      logprobs=logprobs, seed=seed, detokenize=False, ignore_eos=self._ignore_eos, flat_logprobs=True,
                       stop_token_ids=[] if self._ignore_eos else [self.eos_token_id])  # fmt: skip
         kwargs.update(overrides)
         return SamplingParams(**kwargs)
@@ -147,8 +163,8 @@ class VLLMRollout:
             comp = out.outputs[0]
             num[b] = len(comp.token_ids)
             proposals[b, : num[b]] = torch.tensor(comp.token_ids)
-            for j, entries in enumerate(comp.logprobs):
-                tables[b, j] = _dense(entries, self.engines.vocab)
+            for j in range(len(comp.token_ids)):
+                tables[b, j] = _dense(comp.logprobs, j, self.engines.vocab)
         return proposals, num, tables
 
     def _score(self, prefixes: list[list[int]], proposals: torch.Tensor, num: torch.Tensor):
@@ -166,7 +182,7 @@ class VLLMRollout:
             for b, p in enumerate(prefixes)
         ]
         cached = SamplingParams(max_tokens=1, prompt_logprobs=self.num_logprobs, detokenize=False,
-                                skip_reading_prefix_cache=False)  # fmt: skip
+                                skip_reading_prefix_cache=False, flat_logprobs=True)  # fmt: skip
         outputs = self.engines.guidance.generate(requests, cached, use_tqdm=False)
         redo = [
             b
@@ -180,7 +196,10 @@ class VLLMRollout:
         )
         if redo:
             uncached = SamplingParams(
-                max_tokens=1, prompt_logprobs=self.num_logprobs, detokenize=False
+                max_tokens=1,
+                prompt_logprobs=self.num_logprobs,
+                detokenize=False,
+                flat_logprobs=True,
             )
             again = self.engines.guidance.generate(
                 [requests[b] for b in redo], uncached, use_tqdm=False
@@ -197,7 +216,7 @@ class VLLMRollout:
         for b, out in enumerate(outputs):
             start = len(prefixes[b])
             for j in range(int(num[b])):
-                tables[b, j] = _dense(out.prompt_logprobs[start + j], self.engines.vocab)
+                tables[b, j] = _dense(out.prompt_logprobs, start + j, self.engines.vocab)
         valid = torch.arange(proposals.shape[1]) < num.unsqueeze(-1)
         self._tail_mass.append((1.0 - tables.exp().sum(-1))[valid].clamp(min=0.0))
         processing = self._guidance_processing()
@@ -277,7 +296,7 @@ class VLLMRollout:
         seqs = []
         for out in outputs:
             comp = out.outputs[0]
-            lps = [e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs, strict=True)]
+            lps = [_logprob_of(comp.logprobs, j, t) for j, t in enumerate(comp.token_ids)]
             seqs.append(GuidedSequence(list(comp.token_ids), [False] * len(lps), lps, lps, True))
         return seqs
 
@@ -299,7 +318,7 @@ class VLLMRollout:
             )
             for i, out in zip(idx, outputs, strict=True):
                 comp = out.outputs[0]
-                lps = [e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs, strict=True)]
+                lps = [_logprob_of(comp.logprobs, j, t) for j, t in enumerate(comp.token_ids)]
                 seqs[i] = GuidedSequence(
                     list(comp.token_ids), [use_guidance] * len(lps), lps, lps, True
                 )
