@@ -109,28 +109,28 @@ def naive_sum_pi_squared(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1).pow(2).sum(dim=-1)
 
 
-def _maxrss_bytes() -> int:
-    """Peak RSS of this process: VmHWM (resettable, see reset_peak_rss), else ru_maxrss."""
+def _status_bytes(field: str) -> int | None:
+    """A memory field of /proc/self/status (VmHWM, VmRSS) in bytes; None where /proc is missing."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return None
+
+
+def _maxrss_bytes() -> int:
+    """Peak RSS of this process: VmHWM (resettable, see reset_peak_rss), else ru_maxrss."""
+    peak = _status_bytes("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def current_rss_bytes() -> int:
     """Resident set size now (VmRSS); falls back to the peak where /proc is missing."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return _maxrss_bytes()
+    now = _status_bytes("VmRSS")
+    return now if now is not None else _maxrss_bytes()
 
 
 def reset_peak_rss() -> bool:

@@ -154,6 +154,10 @@ def test_draft_only_when_guidance_disabled(models):
     out = plain.generate_sequences(prompt_batch(tok, ["5+5="], n=4))
     assert "offpolicy_mask" not in out.batch.keys() and "behavior_log_probs" not in out.batch.keys()
     assert out.batch["rollout_log_probs"].shape == (4, 8)
+    short = plain.generate_sequences(
+        prompt_batch(tok, ["5+5="], n=4, max_tokens=3, ignore_eos=True)
+    )
+    assert short.batch["response_mask"].sum(-1).tolist() == [3, 3, 3, 3]  # the override is honoured
 
 
 def test_tokenizer_mismatch_is_refused_before_any_engine(models, tmp_path):

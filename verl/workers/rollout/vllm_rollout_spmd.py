@@ -9,7 +9,7 @@ token ids). Scoring reads the prefix cache; see `_score` for when an entry is va
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -17,7 +17,12 @@ import torch
 from verl.protocol import DataProto
 from verl.trainer.core_algos.guidance import compute_behavior_log_probs, lam_at_step
 from verl.workers.rollout.config import OffPolicyGuidanceConfig, RolloutConfig
-from verl.workers.rollout.speculative import RoundStats, process_log_probs, speculative_generate
+from verl.workers.rollout.speculative import (
+    GuidedSequence,
+    RoundStats,
+    process_log_probs,
+    speculative_generate,
+)
 
 LOG_PROB_FLOOR = -1e4  # stands for log 0 in tensors handed to the trainer (never -inf)
 
@@ -189,8 +194,8 @@ class VLLMRollout:
             for b, out in enumerate(outputs)
             if (out.num_cached_tokens or 0) > len(prefixes[b]) - 1
         ]
-        self._guidance_submitted += sum(len(r["prompt_token_ids"]) for r in requests)
-        self._guidance_tokens += sum(
+        self._counters.submitted += sum(len(r["prompt_token_ids"]) for r in requests)
+        self._counters.computed += sum(
             len(r["prompt_token_ids"]) - (o.num_cached_tokens or 0)
             for r, o in zip(requests, outputs, strict=True)
         )
@@ -206,8 +211,8 @@ class VLLMRollout:
             )
             for b, out in zip(redo, again, strict=True):
                 outputs[b] = out
-                self._guidance_tokens += len(requests[b]["prompt_token_ids"])
-            self._rescored += len(redo)
+                self._counters.computed += len(requests[b]["prompt_token_ids"])
+            self._counters.rescored += len(redo)
         tables = torch.full(
             (len(prefixes), proposals.shape[1], self.engines.vocab),
             float("-inf"),
@@ -218,7 +223,7 @@ class VLLMRollout:
             for j in range(int(num[b])):
                 tables[b, j] = _dense(out.prompt_logprobs, start + j, self.engines.vocab)
         valid = torch.arange(proposals.shape[1]) < num.unsqueeze(-1)
-        self._tail_mass.append((1.0 - tables.exp().sum(-1))[valid].clamp(min=0.0))
+        self._counters.tail_mass.append((1.0 - tables.exp().sum(-1))[valid].clamp(min=0.0))
         processing = self._guidance_processing()
         if (
             processing["temperature"] == 1.0
@@ -250,12 +255,7 @@ class VLLMRollout:
         repeated = [ids for ids in prompt_ids for _ in range(n)]
         seed = int(meta.get("seed", self.config.seed)) + 7919 * int(meta.get("global_step", 0))
         rng = np.random.default_rng(seed)
-        self._guidance_tokens, self._tail_mass, self._rescored, self._guidance_submitted = (
-            0,
-            [],
-            0,
-            0,
-        )
+        self._counters = _Counters()
         if not guidance.enable:
             seqs, stats, lam = self._draft_only(repeated, rng), None, 0.0
         else:
@@ -276,18 +276,12 @@ class VLLMRollout:
         out.non_tensor_batch = {
             k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()
         }
-        out.meta_info.update(_round_meta(stats, self._guidance_tokens, out, lam))
-        out.meta_info["guidance_rescored_requests"] = self._rescored
-        out.meta_info["guidance_tokens_submitted"] = self._guidance_submitted
-        if self._tail_mass:
-            out.meta_info["topk_tail_mass"] = float(torch.cat(self._tail_mass).mean())
+        out.meta_info.update(self._counters.meta(stats, out, lam))
         return out
 
     def _draft_only(self, prompts: list[list[int]], rng: np.random.Generator):
-        from verl.workers.rollout.speculative import GuidedSequence
-
         params = [
-            self._draft_params(self.config.response_length, 1, int(s))
+            self._draft_params(self._max_tokens, 1, int(s))
             for s in rng.integers(0, 2**31, len(prompts))
         ]
         outputs = self.engines.draft.generate(
@@ -301,8 +295,6 @@ class VLLMRollout:
         return seqs
 
     def _mix(self, prompts: list[list[int]], n: int, rng: np.random.Generator):
-        from verl.workers.rollout.speculative import GuidedSequence
-
         k = self.config.offpolicy_guidance.mix_num_samples
         from_guidance = [i % n < k for i in range(len(prompts))]
         seqs: list = [None] * len(prompts)
@@ -370,10 +362,22 @@ def _unpad_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> lis
     return [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask, strict=True)]
 
 
-def _round_meta(stats: RoundStats | None, guidance_tokens: int, out: DataProto, lam: float) -> dict:
-    emitted = int(out.batch["response_mask"].sum())
-    meta = {"lam": lam, "emitted_tokens": emitted, "guidance_tokens_computed": guidance_tokens}
-    if stats is not None:
-        meta.update(accept_rate=stats.accept_rate, rounds=stats.rounds,
-                    guidance_tokens_per_emitted=guidance_tokens / max(emitted, 1))  # fmt: skip
-    return meta
+@dataclass
+class _Counters:
+    """Guidance work of one `generate_sequences` call, reported in meta_info."""
+
+    computed: int = 0
+    submitted: int = 0
+    rescored: int = 0
+    tail_mass: list[torch.Tensor] = field(default_factory=list)
+
+    def meta(self, stats: RoundStats | None, out: DataProto, lam: float) -> dict:
+        emitted = int(out.batch["response_mask"].sum())
+        meta = {"lam": lam, "emitted_tokens": emitted, "guidance_tokens_computed": self.computed,
+                "guidance_tokens_submitted": self.submitted, "guidance_rescored_requests": self.rescored}  # fmt: skip
+        if stats is not None:
+            meta.update(accept_rate=stats.accept_rate, rounds=stats.rounds,
+                        guidance_tokens_per_emitted=self.computed / max(emitted, 1))  # fmt: skip
+        if self.tail_mass:
+            meta["topk_tail_mass"] = float(torch.cat(self.tail_mass).mean())
+        return meta
