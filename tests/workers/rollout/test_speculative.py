@@ -111,7 +111,7 @@ Q_CHAIN = torch.tensor([[0.1, 0.2, 0.7], [0.6, 0.1, 0.3], [0.25, 0.5, 0.25]], dt
 def toy_engines(gen: torch.Generator):
     """Vectorised toy draft / guidance 'models': Markov chains over V tokens."""
 
-    def propose(prefixes, budget):
+    def propose(ids, prefixes, budget):
         k = max(budget)
         last = torch.tensor([p[-1] for p in prefixes])
         proposals = torch.full((len(prefixes), k), -1, dtype=torch.long)
@@ -125,7 +125,7 @@ def toy_engines(gen: torch.Generator):
         proposals[torch.arange(k) >= num.unsqueeze(-1)] = -1
         return proposals, num, tables
 
-    def score(prefixes, proposals, num):
+    def score(ids, prefixes, proposals, num):
         prev = torch.cat(
             [torch.tensor([[p[-1]] for p in prefixes]), proposals[:, :-1].clamp(min=0)], dim=1
         )
@@ -185,8 +185,8 @@ def test_eos_ends_a_sequence_and_lengths_follow_q_lambda():
     gen = torch.Generator().manual_seed(7)
     base_propose, score = toy_engines(gen)
 
-    def propose(prefixes, budget):  # the draft stops after proposing EOS, like vLLM
-        proposals, num, tables = base_propose(prefixes, budget)
+    def propose(ids, prefixes, budget):  # the draft stops after proposing EOS, like vLLM
+        proposals, num, tables = base_propose(ids, prefixes, budget)
         for b in range(len(prefixes)):
             hits = (proposals[b, : num[b]] == eos).nonzero()
             if hits.numel():

@@ -93,11 +93,13 @@ class RolloutConfig:
     enforce_eager: bool = False
     """Disable CUDA graphs."""
     enable_prefix_caching: bool = True
-    """Reuse KV cache across requests sharing a prefix."""
+    """Share KV cache across requests with a common prefix (speculative guidance: off, by design)."""
     enable_chunked_prefill: bool = False
     """Chunk long prefills."""
     max_num_batched_tokens: int = 8192
     """Token budget of one engine step."""
+    max_num_seqs: int = 1024
+    """Most sequences an engine runs at once (speculative guidance generates in waves of this)."""
     kv_block_size: int | None = None
     """KV-cache block size (None: engine default; CPU needs a multiple of 32)."""
     disable_tqdm: bool = True
@@ -123,6 +125,7 @@ class RolloutConfig:
             f"{prefix}.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True
         )
         check_range(f"{prefix}.tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_range(f"{prefix}.max_num_seqs", self.max_num_seqs, 1)
         if self.kv_block_size is not None and (self.kv_block_size < 1 or self.kv_block_size % 16):
             fail(
                 f"{prefix}.kv_block_size",

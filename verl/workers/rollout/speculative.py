@@ -133,8 +133,10 @@ class GuidedSequence:
     finished: bool = False
 
 
-ProposeFn = Callable[[list[list[int]], list[int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-ScoreFn = Callable[[list[list[int]], torch.Tensor, torch.Tensor], torch.Tensor]
+ProposeFn = Callable[
+    [list[int], list[list[int]], list[int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+]
+ScoreFn = Callable[[list[int], list[list[int]], torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -145,6 +147,13 @@ class RoundStats:
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0
+
+    def add(self, other: RoundStats) -> None:
+        """Accumulate the counters of another generation (e.g. the next wave of sequences)."""
+        self.rounds += other.rounds
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+        self.emitted += other.emitted
 
     @property
     def accept_rate(self) -> float:
@@ -164,10 +173,11 @@ def speculative_generate(
 ) -> tuple[list[GuidedSequence], RoundStats]:
     """Generate responses whose tokens follow q_λ, round by round, for a batch of prompts.
 
-    `propose(prefixes, n)` returns (proposals (B, k) with -1 padding, num_proposed (B,),
+    `propose(ids, prefixes, n)` returns (proposals (B, k) with -1 padding, num_proposed (B,),
     draft log-prob tables (B, k, V)): up to n[b] draft tokens per prefix, stopping after EOS.
-    `score(prefixes, proposals, num_proposed)` returns the guidance tables (B, k, V) at the same
-    positions. Both get only the still-active sequences. Stops at EOS or `max_new_tokens`.
+    `score(ids, prefixes, proposals, num_proposed)` returns the guidance tables (B, k, V) at the
+    same positions. Both get only the still-active sequences, with `ids` their indices in
+    `prompts` (engines keep per-sequence state). Stops at EOS or `max_new_tokens`.
     """
     seqs = [GuidedSequence() for _ in prompts]
     stats = RoundStats()
@@ -177,8 +187,8 @@ def speculative_generate(
             return seqs, stats
         prefixes = [prompts[i] + seqs[i].tokens for i in active]
         budget = [min(num_speculative_tokens, max_new_tokens - len(seqs[i].tokens)) for i in active]
-        proposals, num_proposed, draft_tables = propose(prefixes, budget)
-        guidance_tables = score(prefixes, proposals, num_proposed)
+        proposals, num_proposed, draft_tables = propose(active, prefixes, budget)
+        guidance_tables = score(active, prefixes, proposals, num_proposed)
         result = verify_proposals(
             proposals, num_proposed, draft_tables, guidance_tables, lam, generator
         )

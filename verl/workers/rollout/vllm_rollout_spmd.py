@@ -3,7 +3,8 @@
 The draft engine samples (and reports) processed log-probs (`logprobs_mode=processed_logprobs`);
 the guidance engine scores the proposals with `prompt_logprobs`, which vLLM returns raw, so q is
 processed here with the guidance's sampling settings (`detokenize=False` throughout: we work on
-token ids). Scoring reads the prefix cache; see `_score` for when an entry is valid.
+token ids). In speculative mode every sequence has a rewindable session on each engine
+(`vllm_sessions.py`): a round computes only the new tokens, not the whole prefix.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from verl.workers.rollout.speculative import (
     process_log_probs,
     speculative_generate,
 )
+from verl.workers.rollout.vllm_sessions import SessionEngine, dense_rows
 
 LOG_PROB_FLOOR = -1e4  # stands for log 0 in tensors handed to the trainer (never -inf)
 
@@ -70,24 +72,17 @@ def _logprob_of(logprobs, pos: int, token: int) -> float:
     return values[ids.index(token)]
 
 
-def _dense(logprobs, pos: int, vocab: int) -> torch.Tensor:
-    """The listed log-probs at `pos` as a dense (V,) row, -inf where a token is not listed."""
-    ids, values = _entries(logprobs, pos)
-    row = torch.full((vocab,), float("-inf"), dtype=torch.float64)
-    ids_t = torch.tensor(ids, dtype=torch.long)
-    if ids_t.numel() and (ids_t.min() < 0 or ids_t.max() >= vocab):
-        raise RuntimeError(
-            f"engine returned log-probs for token ids outside [0, {vocab}): {ids_t.min()}..{ids_t.max()}"
-        )
-    row[ids_t] = torch.tensor(values, dtype=torch.float64)
-    return row
-
-
 @dataclass
 class _Engines:
     draft: object
     guidance: object | None
     vocab: int
+
+
+@dataclass
+class _Sessions:
+    draft: SessionEngine
+    guidance: SessionEngine
 
 
 class VLLMRollout:
@@ -110,8 +105,12 @@ class VLLMRollout:
         max_len = (
             config.prompt_length + config.response_length + 1
         )  # scoring requests need one output slot
-        common = dict(max_model_len=max_len, enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
-                      max_num_batched_tokens=max(config.max_num_batched_tokens, max_len))  # fmt: skip
+        # speculative guidance runs rewindable sessions (patches/vllm_session_rewind.py), which keep
+        # each sequence's KV cache themselves and must not share blocks through the prefix cache
+        self.speculative = guidance.enable and guidance.mode == "speculative"
+        prefix_caching = config.enable_prefix_caching and not self.speculative
+        common = dict(max_model_len=max_len, enable_prefix_caching=prefix_caching, seed=config.seed,
+                      max_num_batched_tokens=max(config.max_num_batched_tokens, max_len), max_num_seqs=config.max_num_seqs)  # fmt: skip
         if config.kv_block_size is not None:
             common["block_size"] = config.kv_block_size
         self.num_logprobs = min(guidance.logprobs, vocab) if guidance.enable else 1
@@ -124,6 +123,10 @@ class VLLMRollout:
                          enforce_eager=config.enforce_eager, max_logprobs=self.num_logprobs, logprobs_mode="raw_logprobs",
                          **engine_memory_args(guidance.gpu_memory_utilization), **common)  # fmt: skip
         self.engines = _Engines(draft, engine, vocab)
+        self.sessions = (
+            _Sessions(SessionEngine(draft), SessionEngine(engine)) if self.speculative else None
+        )
+        self._call = 0
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -140,7 +143,7 @@ class VLLMRollout:
         cfg = self.config
         kwargs = dict(temperature=self._temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=max_tokens,
                       logprobs=logprobs, seed=seed, detokenize=False, ignore_eos=self._ignore_eos, flat_logprobs=True,
-                      stop_token_ids=[] if self._ignore_eos else [self.eos_token_id])  # fmt: skip
+                      stop_token_ids=[] if self._ignore_eos else [self.eos_token_id], skip_clone=True)  # fmt: skip
         kwargs.update(overrides)
         return SamplingParams(**kwargs)
 
@@ -150,78 +153,53 @@ class VLLMRollout:
         return {k: over.get(k, v) for k, v in base.items()}
 
     # ------------------------------------------------------------------ engine calls for the pure loop
-    def _propose(self, prefixes: list[list[int]], budget: list[int], seeds: np.ndarray):
-        params = [
-            self._draft_params(b, self.num_logprobs, int(s))
-            for b, s in zip(budget, seeds, strict=True)
-        ]
-        outputs = self.engines.draft.generate(
-            [{"prompt_token_ids": p} for p in prefixes], params, use_tqdm=False
-        )
-        k = max(budget)
-        proposals = torch.full((len(prefixes), k), -1, dtype=torch.long)
-        tables = torch.full(
-            (len(prefixes), k, self.engines.vocab), float("-inf"), dtype=torch.float64
-        )
-        num = torch.zeros(len(prefixes), dtype=torch.long)
-        for b, out in enumerate(outputs):
-            comp = out.outputs[0]
-            num[b] = len(comp.token_ids)
-            proposals[b, : num[b]] = torch.tensor(comp.token_ids)
-            for j in range(len(comp.token_ids)):
-                tables[b, j] = _dense(comp.logprobs, j, self.engines.vocab)
+    def _propose(self, ids: list[int], prefixes: list[list[int]], budget: list[int], seeds):
+        """Up to budget[b] draft tokens per sequence from its draft session, with dense p tables."""
+        chunks = [(f"d{self._call}-{i}", prefix, self._draft_params(b, self.num_logprobs, int(s)), None)
+                  for i, prefix, b, s in zip(ids, prefixes, budget, seeds, strict=True)]  # fmt: skip
+        results = self.sessions.draft.run(chunks)
+        vocab, k = self.engines.vocab, max(budget)
+        proposals = torch.full((len(ids), k), -1, dtype=torch.long)
+        tables = torch.full((len(ids), k, vocab), float("-inf"), dtype=torch.float64)
+        num = torch.zeros(len(ids), dtype=torch.long)
+        for row, (sid, *_) in enumerate(chunks):
+            out = results[sid]
+            num[row] = len(out.token_ids)
+            proposals[row, : num[row]] = torch.tensor(out.token_ids, dtype=torch.long)
+            ids_np, values_np = np.stack(out.logprob_ids), np.stack(out.logprobs)
+            tables[row, : num[row]] = dense_rows(
+                torch.from_numpy(ids_np), torch.from_numpy(values_np), vocab
+            )
         return proposals, num, tables
 
-    def _score(self, prefixes: list[list[int]], proposals: torch.Tensor, num: torch.Tensor):
-        """Guidance log-prob tables at the proposal positions, reading the prefix cache safely.
+    def _score(
+        self, ids: list[int], prefixes: list[list[int]], proposals: torch.Tensor, num: torch.Tensor
+    ):
+        """Guidance log-prob tables (B, k, V) at the proposal positions, from the guidance sessions.
 
-        vLLM fills prompt log-prob row t only if position t-1 was computed in this request, so the
-        first proposal (index len(prefix)) is valid only when the cache covers at most
-        len(prefix) - 1 tokens. Requests whose cache reached further (a prefix ending exactly on
-        a block boundary) are scored again without the cache.
+        Row t of vLLM's prompt log-probs scores token t+1, so the proposals of a prefix of length
+        L are rows L-1 .. L+n-2; the session recomputes from position L-1 on (`recompute_from`).
         """
         from vllm import SamplingParams
 
-        requests = [
-            {"prompt_token_ids": p + proposals[b, : num[b]].tolist()}
-            for b, p in enumerate(prefixes)
-        ]
-        cached = SamplingParams(max_tokens=1, prompt_logprobs=self.num_logprobs, detokenize=False,
-                                skip_reading_prefix_cache=False, flat_logprobs=True)  # fmt: skip
-        outputs = self.engines.guidance.generate(requests, cached, use_tqdm=False)
-        redo = [
-            b
-            for b, out in enumerate(outputs)
-            if (out.num_cached_tokens or 0) > len(prefixes[b]) - 1
-        ]
-        self._counters.submitted += sum(len(r["prompt_token_ids"]) for r in requests)
-        self._counters.computed += sum(
-            len(r["prompt_token_ids"]) - (o.num_cached_tokens or 0)
-            for r, o in zip(requests, outputs, strict=True)
+        params = SamplingParams(
+            max_tokens=1, prompt_logprobs=self.num_logprobs, detokenize=False, skip_clone=True
         )
-        if redo:
-            uncached = SamplingParams(
-                max_tokens=1,
-                prompt_logprobs=self.num_logprobs,
-                detokenize=False,
-                flat_logprobs=True,
-            )
-            again = self.engines.guidance.generate(
-                [requests[b] for b in redo], uncached, use_tqdm=False
-            )
-            for b, out in zip(redo, again, strict=True):
-                outputs[b] = out
-                self._counters.computed += len(requests[b]["prompt_token_ids"])
-            self._counters.rescored += len(redo)
+        chunks = [(f"g{self._call}-{i}", prefix + proposals[row, : num[row]].tolist(), params, len(prefix) - 1)
+                  for row, (i, prefix) in enumerate(zip(ids, prefixes, strict=True))]  # fmt: skip
+        before = self.sessions.guidance.tokens_computed
+        results = self.sessions.guidance.run(chunks)
+        self._counters.computed += self.sessions.guidance.tokens_computed - before
+        self._counters.submitted += sum(len(tokens) for _, tokens, *_ in chunks)
+        vocab = self.engines.vocab
         tables = torch.full(
-            (len(prefixes), proposals.shape[1], self.engines.vocab),
-            float("-inf"),
-            dtype=torch.float64,
+            (len(ids), proposals.shape[1], vocab), float("-inf"), dtype=torch.float64
         )
-        for b, out in enumerate(outputs):
-            start = len(prefixes[b])
-            for j in range(int(num[b])):
-                tables[b, j] = _dense(out.prompt_logprobs, start + j, self.engines.vocab)
+        for row, (sid, *_) in enumerate(chunks):
+            lp, first, n = results[sid].prompt_logprobs, len(prefixes[row]) - 1, int(num[row])
+            tables[row, :n] = dense_rows(
+                lp.logprob_token_ids[first : first + n], lp.logprobs[first : first + n], vocab
+            )
         valid = torch.arange(proposals.shape[1]) < num.unsqueeze(-1)
         self._counters.tail_mass.append((1.0 - tables.exp().sum(-1))[valid].clamp(min=0.0))
         processing = self._guidance_processing()
@@ -265,19 +243,39 @@ class VLLMRollout:
             if guidance.mode == "mix":
                 seqs, stats = self._mix(repeated, n, rng), None
             else:
-                gen = torch.Generator().manual_seed(seed)
-
-                def propose(prefixes, budget):
-                    return self._propose(prefixes, budget, rng.integers(0, 2**31, len(prefixes)))
-
-                seqs, stats = speculative_generate(repeated, propose, self._score, lam, guidance.num_speculative_tokens,
-                                                   self._max_tokens, None if self._ignore_eos else self.eos_token_id, gen)  # fmt: skip
+                seqs, stats = self._speculative(
+                    repeated, lam, rng, torch.Generator().manual_seed(seed)
+                )
         out = self._to_dataproto(repeated, seqs, lam, guidance)
         out.non_tensor_batch = {
             k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()
         }
         out.meta_info.update(self._counters.meta(stats, out, lam))
         return out
+
+    def _speculative(self, prompts: list[list[int]], lam: float, rng: np.random.Generator, gen):
+        """Speculative guidance in waves of sequences whose sessions fit both KV caches at once
+        (a session keeps its KV blocks from its first round to its last)."""
+        guidance = self.config.offpolicy_guidance
+        longest = max(map(len, prompts)) + self._max_tokens + 1
+        wave = min(self.sessions.draft.capacity(longest), self.sessions.guidance.capacity(longest))
+        seqs, stats = [], RoundStats()
+        for start in range(0, len(prompts), wave):
+            self._call += 1
+
+            def propose(ids, prefixes, budget):
+                return self._propose(ids, prefixes, budget, rng.integers(0, 2**31, len(ids)))
+
+            try:
+                part, part_stats = speculative_generate(prompts[start : start + wave], propose, self._score, lam,
+                                                        guidance.num_speculative_tokens, self._max_tokens,
+                                                        None if self._ignore_eos else self.eos_token_id, gen)  # fmt: skip
+            finally:
+                self.sessions.draft.close()
+                self.sessions.guidance.close()
+            seqs.extend(part)
+            stats.add(part_stats)
+        return seqs, stats
 
     def _draft_only(self, prompts: list[list[int]], rng: np.random.Generator):
         params = [
@@ -368,15 +366,14 @@ class _Counters:
 
     computed: int = 0
     submitted: int = 0
-    rescored: int = 0
     tail_mass: list[torch.Tensor] = field(default_factory=list)
 
     def meta(self, stats: RoundStats | None, out: DataProto, lam: float) -> dict:
         emitted = int(out.batch["response_mask"].sum())
         meta = {"lam": lam, "emitted_tokens": emitted, "guidance_tokens_computed": self.computed,
-                "guidance_tokens_submitted": self.submitted, "guidance_rescored_requests": self.rescored}  # fmt: skip
+                "guidance_tokens_submitted": self.submitted}  # fmt: skip
         if stats is not None:
-            meta.update(accept_rate=stats.accept_rate, rounds=stats.rounds,
+            meta.update(accept_rate=stats.accept_rate, rounds=stats.rounds, proposed_tokens=stats.proposed,
                         guidance_tokens_per_emitted=self.computed / max(emitted, 1))  # fmt: skip
         if self.tail_mass:
             meta["topk_tail_mass"] = float(torch.cat(self.tail_mass).mean())

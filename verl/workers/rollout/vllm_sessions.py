@@ -1,0 +1,153 @@
+"""Rewindable requests ("sessions") on one in-process vLLM engine, read as tensors.
+
+Speculative guidance runs one session per sequence on each engine: every round a session is
+resumed with its whole new token sequence and keeps the KV cache of the prefix it already
+computed (rejected proposals are taken back), so a round costs about k + 1 new tokens per
+sequence instead of the whole prefix. The rewind is `verl_patches.vllm_session_rewind`
+(`patches/`); this module drives the engine core directly and reads log-probs as the engine's
+own arrays, skipping vLLM's per-position Python conversion.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from verl_patches import vllm_session_rewind
+
+
+@dataclass
+class ChunkOutput:
+    """What one session chunk produced."""
+
+    token_ids: list[int] = field(default_factory=list)
+    """Sampled tokens of the chunk."""
+    logprob_ids: list[np.ndarray] = field(default_factory=list)
+    """Per sampled token: (K+1,) token ids, column 0 the sampled token, then the top-K."""
+    logprobs: list[np.ndarray] = field(default_factory=list)
+    """Per sampled token: (K+1,) log-probs matching `logprob_ids`."""
+    prompt_logprobs: object | None = None
+    """vLLM `LogprobsTensors` of the chunk's prompt: row t scores token t+1 (rows of the kept
+    prefix are unset)."""
+
+
+class SessionEngine:
+    """Sessions on an `vllm.LLM` built with `enable_prefix_caching=False`.
+
+    `run` adds one chunk per session (a new session starts from its tokens; an open one is
+    rewound to them) and steps the engine until every chunk stopped. `close` frees sessions.
+    `tokens_computed` counts every token the engine ran (prompt and decode).
+    """
+
+    def __init__(self, llm) -> None:
+        vllm_session_rewind.apply()
+        self._engine = llm.llm_engine
+        self._client = self._engine.engine_core
+        core = self._client.engine_core
+        if core.scheduler.cache_config.enable_prefix_caching:
+            raise ValueError("SessionEngine needs an engine built with enable_prefix_caching=False")
+        self._tasks = self._engine.get_supported_tasks()
+        self._open: dict[str, object] = {}  # session id -> its first (processed) request
+        self.tokens_computed = 0
+        schedule = core.scheduler.schedule
+
+        def counting_schedule(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            self.tokens_computed += out.total_num_scheduled_tokens
+            return out
+
+        core.scheduler.schedule = counting_schedule
+
+    def capacity(self, max_tokens_per_session: int) -> int:
+        """How many sessions of up to `max_tokens_per_session` tokens the KV cache holds at once."""
+        scheduler = self._client.engine_core.scheduler
+        cache = scheduler.cache_config
+        per_session = -(-max_tokens_per_session // cache.block_size)
+        # one block is vLLM's null block; a paused session also holds a request slot
+        capacity = min((cache.num_gpu_blocks - 1) // per_session, scheduler.max_num_active_reqs)
+        if capacity < 1:
+            raise ValueError(
+                f"the KV cache ({cache.num_gpu_blocks} blocks of {cache.block_size}) cannot hold one "
+                f"sequence of {max_tokens_per_session} tokens; raise the engine's memory share"
+            )
+        return capacity
+
+    def run(
+        self, chunks: list[tuple[str, list[int], object, int | None]]
+    ) -> dict[str, ChunkOutput]:
+        """chunks: (session id, token sequence, SamplingParams, recompute_from or None)."""
+        from vllm.inputs import TokensPrompt
+
+        results = {sid: ChunkOutput() for sid, *_ in chunks}
+        for sid, tokens, params, recompute_from in chunks:
+            first = self._open.get(sid)
+            if first is None:  # a new session: vLLM validates and completes the parameters
+                request = self._engine.input_processor.process_inputs(
+                    sid, TokensPrompt(prompt_token_ids=tokens), params, supported_tasks=self._tasks,
+                    resumable=True,
+                )  # fmt: skip
+                self._open[sid] = request
+            else:  # a rewind: the first chunk's processed request with new tokens and limits
+                request = _rewind_request(first, tokens, params.max_tokens, recompute_from)
+            self._client.add_request(request)
+        pending, idle = set(results), 0
+        while pending:
+            outputs = self._client.get_output().outputs
+            idle = 0 if outputs else idle + 1
+            if idle > 100:
+                raise RuntimeError(
+                    f"vLLM made no progress on {len(pending)} sessions (e.g. {min(pending)}): more "
+                    "sessions than its KV cache holds? (see SessionEngine.capacity)"
+                )
+            for out in outputs:
+                if out.request_id not in pending:
+                    continue
+                result = results[out.request_id]
+                result.token_ids.extend(out.new_token_ids)
+                if out.new_logprobs is not None:
+                    result.logprob_ids.extend(out.new_logprobs.logprob_token_ids)
+                    result.logprobs.extend(out.new_logprobs.logprobs)
+                if out.new_prompt_logprobs_tensors is not None:
+                    result.prompt_logprobs = out.new_prompt_logprobs_tensors
+                if out.finish_reason is not None:
+                    pending.discard(out.request_id)
+        return results
+
+    def close(self, session_ids=None) -> None:
+        """Free sessions (all open ones by default) and their KV cache."""
+        ids = sorted(self._open if session_ids is None else set(session_ids) & set(self._open))
+        if ids:
+            self._client.abort_requests(ids)
+            for sid in ids:
+                del self._open[sid]
+
+
+def _rewind_request(first, tokens: list[int], max_tokens: int, recompute_from: int | None):
+    """A resumable request replacing a session's sequence by `tokens` (same id and settings)."""
+    import msgspec
+
+    params = copy.copy(first.sampling_params)  # shallow: only top-level fields change below
+    params.max_tokens = max_tokens
+    extra = {vllm_session_rewind.REPLACE_KEY: True}
+    if recompute_from is not None:
+        extra[vllm_session_rewind.RECOMPUTE_FROM_KEY] = int(recompute_from)
+    params.extra_args = {**(params.extra_args or {}), **extra}
+    return msgspec.structs.replace(
+        first, prompt_token_ids=list(tokens), sampling_params=params, arrival_time=time.time()
+    )
+
+
+def dense_rows(
+    ids: torch.Tensor, values: torch.Tensor, vocab: int, dtype=torch.float64
+) -> torch.Tensor:
+    """(N, K) listed token ids and log-probs -> (N, V) dense log-prob rows, -inf where unlisted."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise RuntimeError(
+            f"engine returned log-probs for token ids outside [0, {vocab}): "
+            f"{int(ids.min())}..{int(ids.max())}"
+        )
+    rows = torch.full((ids.shape[0], vocab), float("-inf"), dtype=dtype)
+    return rows.scatter_(1, ids.long(), values.to(dtype))
