@@ -31,11 +31,9 @@ from verl.workers.rollout.config import RolloutConfig
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
 
-def rollout(
-    draft: str, guidance: str | None, args: argparse.Namespace, block: int | None, tok
-) -> VLLMRollout:
+def rollout(draft: str, guidance: str | None, args: argparse.Namespace, k: int, tok) -> VLLMRollout:
     cfg = RolloutConfig(n=1, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.03, seed=0,
-                        prompt_length=args.prompt_len + 2, response_length=args.response, kv_block_size=block)  # fmt: skip
+                        prompt_length=args.prompt_len + 2, response_length=args.response)  # fmt: skip
     g = cfg.offpolicy_guidance
     g.enable, g.model_path, g.dtype, g.gpu_memory_utilization = (
         bool(guidance),
@@ -43,7 +41,7 @@ def rollout(
         "float32",
         0.03,
     )
-    g.logprobs, g.num_speculative_tokens, g.lam = args.logprobs, args.k, 0.5
+    g.logprobs, g.num_speculative_tokens, g.lam = args.logprobs, k, 0.5
     return VLLMRollout(draft, cfg, tok.eos_token_id, tok.pad_token_id)
 
 
@@ -67,7 +65,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--response", type=int, default=64)
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--k", default="4,6", help="num_speculative_tokens values, comma-separated")
     parser.add_argument("--logprobs", type=int, default=20, help="top-K log-probs per position")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -82,10 +80,9 @@ def main() -> None:
     )
     tok = AutoTokenizer.from_pretrained(draft)
     batch = prompts(tok, args.prompts, args.prompt_len)
-    engines = {
-        "draft-only": rollout(draft, None, args, None, tok),
-        "guided": rollout(draft, guide, args, None, tok),
-    }
+    ks = [int(k) for k in args.k.split(",")]
+    engines = {"draft-only": rollout(draft, None, args, 1, tok)}
+    engines.update({f"guided k={k}": rollout(draft, guide, args, k, tok) for k in ks})
     times: dict[str, list[float]] = {name: [] for name in engines}
     meta = {}
     for engine in engines.values():  # warm-up (compilation, caches)
@@ -98,7 +95,7 @@ def main() -> None:
             assert int(out.batch["response_mask"].sum()) == args.prompts * args.response
     base = statistics.median(times["draft-only"])
     print(f"torch {torch.__version__}, {args.prompts} prompts x {args.prompt_len} tokens, {args.response} new tokens, "
-          f"k={args.k}, top-{args.logprobs} log-probs, λ=0.5")  # fmt: skip
+          f"top-{args.logprobs} log-probs, λ=0.5")  # fmt: skip
     for name, t in times.items():
         m = meta[name]
         extra = ""
@@ -108,7 +105,7 @@ def main() -> None:
             f"{name:20s} median {statistics.median(t):7.2f} s  ({', '.join(f'{x:.2f}' for x in t)}){extra}"
         )
     print("\n=== summary (ratios from one run) ===")
-    for name in ("guided",):
+    for name in (f"guided k={k}" for k in ks):
         ratio = statistics.median(times[name]) / base
         print(
             f"{name}: wall time {ratio:.2f}x draft-only (goal <= 2.0); "

@@ -38,10 +38,14 @@ def sessions(engine):
     eng.close()
 
 
+def new_params(sid: str, max_tokens: int):
+    return scoring_params(max_tokens=max_tokens)
+
+
 def scoring_params(**kwargs):
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=1, prompt_logprobs=K, detokenize=False, **kwargs)
+    return SamplingParams(**{"max_tokens": 1, "prompt_logprobs": K, "detokenize": False, **kwargs})
 
 
 def fresh_prompt_logprobs(llm, *sequences: list[int]) -> list[torch.Tensor]:
@@ -94,22 +98,20 @@ def test_rewind_scores_only_new_tokens_and_matches_a_fresh_request(engine, sessi
     from verl_patches import vllm_session_rewind
 
     assert vllm_session_rewind.is_applied()
-    first = sessions.run([("s", [*PROMPT, 50, 51, 52, 53], scoring_params(), None)])["s"]
+    first = sessions.run([("s", [*PROMPT, 50, 51, 52, 53], 1, None)], new_params)["s"]
     torch.testing.assert_close(session_rows(first, 39, 4), fresh_prompt_logprobs(engine, [*PROMPT, 50, 51, 52, 53])[0][39:43], rtol=0, atol=0)  # fmt: skip
     # round 2: proposals 50, 51 accepted, 52 rejected for 60; new proposals 70..73. The session
     # keeps PROMPT + [50, 51] (42 tokens) and computes 60 + 4 proposals = 5 tokens.
     prefix = [*PROMPT, 50, 51, 60]
     before = sessions.tokens_computed
-    second = sessions.run([("s", [*prefix, 70, 71, 72, 73], scoring_params(), len(prefix) - 1)])[
-        "s"
-    ]
+    second = sessions.run([("s", [*prefix, 70, 71, 72, 73], 1, len(prefix) - 1)], new_params)["s"]
     assert sessions.tokens_computed - before == 5
     expected = fresh_prompt_logprobs(engine, [*prefix, 70, 71, 72, 73])[0][42:46]
     torch.testing.assert_close(session_rows(second, 42, 4), expected, rtol=0, atol=1e-6)
     # round 3: all four accepted; the last of them is recomputed to score the next proposals
     prefix = [*prefix, 70, 71, 72, 73]
     before = sessions.tokens_computed
-    third = sessions.run([("s", [*prefix, 80, 81], scoring_params(), len(prefix) - 1)])["s"]
+    third = sessions.run([("s", [*prefix, 80, 81], 1, len(prefix) - 1)], new_params)["s"]
     assert sessions.tokens_computed - before == 1 + 2
     expected = fresh_prompt_logprobs(engine, [*prefix, 80, 81])[0][46:48]
     torch.testing.assert_close(session_rows(third, 46, 2), expected, rtol=0, atol=1e-6)
@@ -118,13 +120,13 @@ def test_rewind_scores_only_new_tokens_and_matches_a_fresh_request(engine, sessi
 def test_patch_is_needed_for_rewind_and_resumed_prompt_logprobs(engine, sessions):
     from verl_patches import vllm_session_rewind
 
-    sessions.run([("s", [*PROMPT, 50, 51, 52, 53], scoring_params(), None)])
+    sessions.run([("s", [*PROMPT, 50, 51, 52, 53], 1, None)], new_params)
     vllm_session_rewind.remove()
     try:
         assert not vllm_session_rewind.is_applied()
         before = sessions.tokens_computed
         prefix = [*PROMPT, 50, 51, 60]
-        out = sessions.run([("s", [*prefix, 70, 71], scoring_params(), len(prefix) - 1)])["s"]
+        out = sessions.run([("s", [*prefix, 70, 71], 1, len(prefix) - 1)], new_params)["s"]
         # unpatched vLLM appends the chunk (it cannot take tokens back): the session now holds
         # 44 + 45 tokens, all 45 of the chunk were computed, and no prompt log-probs came back
         assert out.prompt_logprobs is None

@@ -204,3 +204,37 @@ def test_eos_ends_a_sequence_and_lengths_follow_q_lambda():
     probs = torch.tensor([chain_prob(o, lam) for o in outcomes], dtype=D)
     assert probs.sum().item() == pytest.approx(1.0)
     assert _chi2_ok(counts, probs) > 1e-3
+
+
+def test_engines_get_the_index_of_each_active_sequence():
+    """propose/score receive `ids`: the positions in `prompts` of the sequences still running, so
+    engines can keep per-sequence state (vLLM sessions). Prompts here are distinct."""
+    gen = torch.Generator().manual_seed(3)
+    base_propose, base_score = toy_engines(gen)
+    prompts = [[0], [1, 2], [2, 2, 1], [1]]
+    seen: list[list[int]] = []
+    eos = 2
+
+    def propose(ids, prefixes, budget):
+        seen.append(list(ids))
+        for i, prefix in zip(ids, prefixes, strict=True):
+            assert prefix[: len(prompts[i])] == prompts[i]
+        proposals, num, tables = base_propose(ids, prefixes, budget)
+        for row in range(len(ids)):  # stop proposing after EOS, like vLLM
+            hits = (proposals[row, : num[row]] == eos).nonzero()
+            if hits.numel():
+                num[row] = int(hits[0]) + 1
+                proposals[row, num[row] :] = -1
+        return proposals, num, tables
+
+    def score(ids, prefixes, proposals, num):
+        assert list(ids) == seen[-1]
+        return base_score(ids, prefixes, proposals, num)
+
+    seqs, _ = speculative_generate(prompts, propose, score, 0.5, 2, 6, eos, gen)
+    assert seen[0] == [0, 1, 2, 3]
+    for before, after in itertools.pairwise(seen):  # finished sequences drop out, order is kept
+        assert set(after) <= set(before) and after == sorted(after)
+    for i, s in enumerate(seqs):  # every sequence ended at EOS or at the length limit
+        assert s.finished
+        assert (s.tokens[-1] == eos) or len(s.tokens) == 6, i

@@ -153,23 +153,22 @@ class VLLMRollout:
         return {k: over.get(k, v) for k, v in base.items()}
 
     # ------------------------------------------------------------------ engine calls for the pure loop
-    def _propose(self, ids: list[int], prefixes: list[list[int]], budget: list[int], seeds):
+    def _propose(self, ids: list[int], prefixes: list[list[int]], budget: list[int]):
         """Up to budget[b] draft tokens per sequence from its draft session, with dense p tables."""
-        chunks = [(f"d{self._call}-{i}", prefix, self._draft_params(b, self.num_logprobs, int(s)), None)
-                  for i, prefix, b, s in zip(ids, prefixes, budget, seeds, strict=True)]  # fmt: skip
-        results = self.sessions.draft.run(chunks)
-        vocab, k = self.engines.vocab, max(budget)
-        proposals = torch.full((len(ids), k), -1, dtype=torch.long)
-        tables = torch.full((len(ids), k, vocab), float("-inf"), dtype=torch.float64)
-        num = torch.zeros(len(ids), dtype=torch.long)
-        for row, (sid, *_) in enumerate(chunks):
-            out = results[sid]
-            num[row] = len(out.token_ids)
-            proposals[row, : num[row]] = torch.tensor(out.token_ids, dtype=torch.long)
-            ids_np, values_np = np.stack(out.logprob_ids), np.stack(out.logprobs)
-            tables[row, : num[row]] = dense_rows(
-                torch.from_numpy(ids_np), torch.from_numpy(values_np), vocab
-            )
+        chunks = [(f"d{self._call}-{i}", prefix, b, None) for i, prefix, b in zip(ids, prefixes, budget, strict=True)]  # fmt: skip
+        seed_of = dict(zip((c[0] for c in chunks), (int(self._seeds[i]) for i in ids), strict=True))
+        results = self.sessions.draft.run(
+            chunks, lambda sid, m: self._draft_params(m, self.num_logprobs, seed_of[sid])
+        )
+        outs = [results[sid] for sid, *_ in chunks]
+        num = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.long)
+        rows = dense_rows(torch.from_numpy(np.concatenate([np.stack(o.logprob_ids) for o in outs])),
+                          torch.from_numpy(np.concatenate([np.stack(o.logprobs) for o in outs])), self.engines.vocab)  # fmt: skip
+        valid = torch.arange(max(budget)) < num.unsqueeze(-1)
+        proposals = torch.full(valid.shape, -1, dtype=torch.long)
+        proposals[valid] = torch.tensor([t for o in outs for t in o.token_ids], dtype=torch.long)
+        tables = torch.full((*valid.shape, self.engines.vocab), float("-inf"), dtype=torch.float64)
+        tables[valid] = rows
         return proposals, num, tables
 
     def _score(
@@ -182,25 +181,23 @@ class VLLMRollout:
         """
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            max_tokens=1, prompt_logprobs=self.num_logprobs, detokenize=False, skip_clone=True
-        )
-        chunks = [(f"g{self._call}-{i}", prefix + proposals[row, : num[row]].tolist(), params, len(prefix) - 1)
+        def new_params(sid: str, max_tokens: int):
+            return SamplingParams(max_tokens=max_tokens, prompt_logprobs=self.num_logprobs,
+                                  detokenize=False, skip_clone=True)  # fmt: skip
+
+        chunks = [(f"g{self._call}-{i}", prefix + proposals[row, : num[row]].tolist(), 1, len(prefix) - 1)
                   for row, (i, prefix) in enumerate(zip(ids, prefixes, strict=True))]  # fmt: skip
         before = self.sessions.guidance.tokens_computed
-        results = self.sessions.guidance.run(chunks)
+        results = self.sessions.guidance.run(chunks, new_params)
         self._counters.computed += self.sessions.guidance.tokens_computed - before
         self._counters.submitted += sum(len(tokens) for _, tokens, *_ in chunks)
-        vocab = self.engines.vocab
-        tables = torch.full(
-            (len(ids), proposals.shape[1], vocab), float("-inf"), dtype=torch.float64
-        )
-        for row, (sid, *_) in enumerate(chunks):
-            lp, first, n = results[sid].prompt_logprobs, len(prefixes[row]) - 1, int(num[row])
-            tables[row, :n] = dense_rows(
-                lp.logprob_token_ids[first : first + n], lp.logprobs[first : first + n], vocab
-            )
+        picked = [(results[sid].prompt_logprobs, len(prefixes[row]) - 1, int(num[row]))
+                  for row, (sid, *_) in enumerate(chunks)]  # fmt: skip
+        rows = dense_rows(torch.cat([lp.logprob_token_ids[f : f + n] for lp, f, n in picked]),
+                          torch.cat([lp.logprobs[f : f + n] for lp, f, n in picked]), self.engines.vocab)  # fmt: skip
         valid = torch.arange(proposals.shape[1]) < num.unsqueeze(-1)
+        tables = torch.full((*valid.shape, self.engines.vocab), float("-inf"), dtype=torch.float64)
+        tables[valid] = rows
         self._counters.tail_mass.append((1.0 - tables.exp().sum(-1))[valid].clamp(min=0.0))
         processing = self._guidance_processing()
         if (
@@ -261,13 +258,10 @@ class VLLMRollout:
         wave = min(self.sessions.draft.capacity(longest), self.sessions.guidance.capacity(longest))
         seqs, stats = [], RoundStats()
         for start in range(0, len(prompts), wave):
-            self._call += 1
-
-            def propose(ids, prefixes, budget):
-                return self._propose(ids, prefixes, budget, rng.integers(0, 2**31, len(ids)))
-
+            self._call += 1  # session ids are unique per wave
+            self._seeds = rng.integers(0, 2**31, min(wave, len(prompts) - start))
             try:
-                part, part_stats = speculative_generate(prompts[start : start + wave], propose, self._score, lam,
+                part, part_stats = speculative_generate(prompts[start : start + wave], self._propose, self._score, lam,
                                                         guidance.num_speculative_tokens, self._max_tokens,
                                                         None if self._ignore_eos else self.eos_token_id, gen)  # fmt: skip
             finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,22 +77,29 @@ class SessionEngine:
         return capacity
 
     def run(
-        self, chunks: list[tuple[str, list[int], object, int | None]]
+        self,
+        chunks: list[tuple[str, list[int], int, int | None]],
+        new_params: Callable[[str, int], object],
     ) -> dict[str, ChunkOutput]:
-        """chunks: (session id, token sequence, SamplingParams, recompute_from or None)."""
+        """Run one chunk per session and wait for all of them.
+
+        chunks: (session id, whole token sequence, max_tokens, recompute_from or None). A new
+        session gets `new_params(session id, max_tokens)` (vLLM's SamplingParams); an open one
+        keeps its first chunk's parameters with the new `max_tokens`.
+        """
         from vllm.inputs import TokensPrompt
 
         results = {sid: ChunkOutput() for sid, *_ in chunks}
-        for sid, tokens, params, recompute_from in chunks:
+        for sid, tokens, max_tokens, recompute_from in chunks:
             first = self._open.get(sid)
             if first is None:  # a new session: vLLM validates and completes the parameters
                 request = self._engine.input_processor.process_inputs(
-                    sid, TokensPrompt(prompt_token_ids=tokens), params, supported_tasks=self._tasks,
-                    resumable=True,
+                    sid, TokensPrompt(prompt_token_ids=tokens), new_params(sid, max_tokens),
+                    supported_tasks=self._tasks, resumable=True,
                 )  # fmt: skip
                 self._open[sid] = request
             else:  # a rewind: the first chunk's processed request with new tokens and limits
-                request = _rewind_request(first, tokens, params.max_tokens, recompute_from)
+                request = _rewind_request(first, tokens, max_tokens, recompute_from)
             self._client.add_request(request)
         pending, idle = set(results), 0
         while pending:
