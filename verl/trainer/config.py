@@ -37,6 +37,8 @@ class DataConfig:
     """Column holding the ground truth."""
     format_prompt: str | None = None
     """Template file applied to each prompt (None: chat template only)."""
+    apply_chat_template: bool = True
+    """Wrap each prompt in the tokenizer's chat template (False: the raw text)."""
     max_prompt_length: int = 512
     """Longest prompt in tokens; longer ones are filtered (and counted)."""
     max_response_length: int = 512
@@ -208,6 +210,9 @@ class PPOConfig:
             algo.importance_clamp_max,
         )
         actor.importance_detach, actor.opsm_delta = algo.importance_detach, algo.opsm_delta
+        if self.worker.reward.reward_function is None:
+            embedded = self.data.train_files.startswith("embedded://arithmetic")
+            self.worker.reward.reward_function = "arithmetic" if embedded else "math"
         if self.trainer.save_checkpoint_path is None:
             self.trainer.save_checkpoint_path = os.path.join(
                 "checkpoints", self.trainer.project_name, self.trainer.experiment_name
@@ -221,6 +226,12 @@ class PPOConfig:
         self.worker.validate("worker")
         self.algorithm.validate("algorithm")
         self.trainer.validate("trainer")
+        world = self.trainer.nnodes * self.trainer.n_gpus_per_node
+        responses = self.data.rollout_batch_size * self.worker.rollout.n
+        if responses % world:
+            fail("data.rollout_batch_size", self.data.rollout_batch_size,
+                 f"rollout_batch_size x worker.rollout.n = {responses} responses must split evenly over "
+                 f"trainer.nnodes x trainer.n_gpus_per_node = {world} workers")  # fmt: skip
         if (
             needs_sum_pi_squared(self.algorithm.adv_estimator)
             and not self.worker.actor.calculate_sum_pi_squared

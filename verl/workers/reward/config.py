@@ -15,7 +15,7 @@ class RewardConfig:
     reward_type: str = "batch"
     """batch: one call scores the whole batch; sequential: one call per response."""
     reward_function: str | None = None
-    """`path/to/file.py:fn` of a user function, or the name of a built-in reward."""
+    """A built-in reward (arithmetic, math) or `path/to/file.py:fn` (None: arithmetic for the embedded task, else math)."""
     reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the reward function."""
     skip_special_tokens: bool = True

@@ -231,7 +231,9 @@ class VLLMRollout:
         seed = int(meta.get("seed", self.config.seed)) + 7919 * int(meta.get("global_step", 0))
         rng = np.random.default_rng(seed)
         self._counters = _Counters()
-        if not guidance.enable:
+        if not guidance.enable or not meta.get(
+            "guidance", True
+        ):  # e.g. validation: the draft alone
             seqs, stats, lam = self._draft_only(repeated, rng), None, 0.0
         else:
             lam = float(meta["lam"]) if "lam" in meta else lam_at_step(

@@ -1,0 +1,192 @@
+"""End-to-end training through the real Ray + FSDP + vLLM path on CPU, with tiny models.
+
+Every run is 2 steps (4 for resume) on the embedded arithmetic prompts. The reward is a user
+function (`digit_share`, loaded from a file) whose value varies across random samples, so
+advantages are non-zero and parameters must change.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.e2e
+
+REWARD = """
+def digit_share(reward_input):
+    text = reward_input["response"]
+    return {"overall": sum(c.isdigit() for c in text) / max(len(text), 1)}
+"""
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+
+    root = tmp_path_factory.mktemp("e2e")
+    draft = save_tiny_lm(
+        str(root / "draft"), TinyLMSpec(hidden_size=64, num_hidden_layers=1, vocab_size=128, seed=1)
+    )
+    guide = save_tiny_lm(str(root / "guidance"), TinyLMSpec(hidden_size=128, num_hidden_layers=1, vocab_size=128, seed=2))  # fmt: skip
+    (root / "reward.py").write_text(REWARD)
+    return {"draft": draft, "guidance": guide, "reward": f"{root / 'reward.py'}:digit_share"}
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    from verl.trainer.config import load_config
+    from verl.trainer.main import start_ray
+
+    start_ray(load_config())
+    yield
+    ray.shutdown()
+
+
+def overrides(assets, run_dir: str, **extra) -> dict:
+    base = {
+        "data": {"train_files": "embedded://arithmetic@train", "val_files": "",
+                 "apply_chat_template": False, "max_prompt_length": 8, "max_response_length": 6,
+                 "rollout_batch_size": 8, "val_batch_size": 64},
+        "algorithm": {"disable_kl": True},
+        "worker": {
+            "actor": {"global_batch_size": 16, "micro_batch_size_per_device_for_update": 8,
+                      "micro_batch_size_per_device_for_experience": 32,
+                      "model": {"model_path": assets["draft"]}, "optim": {"lr": 1e-3}},
+            "rollout": {"n": 4, "dtype": "float32", "gpu_memory_utilization": 0.02, "enforce_eager": True,
+                        "offpolicy_guidance": {"enable": True, "model_path": assets["guidance"], "dtype": "float32",
+                                               "gpu_memory_utilization": 0.02, "logprobs": 128}},
+            "reward": {"reward_function": assets["reward"], "reward_type": "sequential"},
+        },
+        "trainer": {"max_steps": 2, "logger": ["file"], "save_checkpoint_path": run_dir,
+                    "n_gpus_per_node": 1, "val_before_train": True, "resume": "none"},
+    }  # fmt: skip
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(extra)))
+
+
+def train(assets, run_dir: str, **extra):
+    """One run in this process's Ray session; returns (trainer, last metrics, logged rows)."""
+    from verl.trainer.config import load_config
+    from verl.trainer.main import prepare
+    from verl.trainer.ray_trainer import RayPPOTrainer
+
+    prepared = prepare(load_config(overrides=overrides(assets, run_dir, **extra)))
+    trainer = RayPPOTrainer(
+        prepared.config, prepared.train, prepared.val, prepared.reward, prepared.val_reward
+    )
+    trainer.init_workers()
+    try:
+        last = trainer.fit()
+    finally:
+        trainer.shutdown()
+    with open(os.path.join(run_dir, "experiment_log.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return trainer, last, rows
+
+
+def weights(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def assert_trained(assets, run_dir: str, rows: list[dict], step: int = 2) -> None:
+    before = weights(assets["draft"])
+    after = weights(os.path.join(run_dir, f"global_step_{step}", "actor", "hf"))
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert len(changed) >= len(before) // 2, f"only {changed} changed"
+    for row in rows:  # every logged value is finite (the file logger writes non-finite as null)
+        bad = {
+            k: v
+            for k, v in row.items()
+            if v is None or (isinstance(v, float) and not math.isfinite(v))
+        }
+        assert not bad, f"non-finite metrics at step {row['step']}: {bad}"
+
+
+TRAIN_KEYS = ["actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean",
+              "timing_s/gen", "timing_s/update_actor", "perf/throughput", "mismatch/kl_v1"]  # fmt: skip
+GUIDED_KEYS = ["guidance/offpolicy_token_ratio", "guidance/is_weight_mean", "guidance/is_clip_frac",
+               "guidance/behavior_kl", "guidance/lambda"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "extra", "keys"),
+    [
+        ("guidance_off", {"worker": {"rollout": {"offpolicy_guidance": {"enable": False}}},
+                          "data": {"val_files": "embedded://arithmetic@test"}}, []),
+        ("speculative", {}, [*GUIDED_KEYS, "guidance/accept_rate", "guidance/topk_tail_mass"]),
+        ("mix", {"worker": {"rollout": {"offpolicy_guidance": {"mode": "mix", "mix_num_samples": 1}}}}, GUIDED_KEYS),
+        ("otb", {"algorithm": {"adv_estimator": "optimal_token_baseline"},
+                 "worker": {"actor": {"calculate_sum_pi_squared": True}}},
+         [*GUIDED_KEYS, "variance_proxy/proxy2_total_power"]),
+        ("opsm", {"algorithm": {"opsm_delta": 0.0}}, [*GUIDED_KEYS, "actor/opsm_masked_seq_frac"]),
+        ("cppo", {"worker": {"actor": {"loss_type": "cppo"}}}, GUIDED_KEYS),
+    ],
+)  # fmt: skip
+def test_two_step_run_trains_and_logs_finite_metrics(
+    assets, ray_session, tmp_path, name, extra, keys
+):
+    run_dir = str(tmp_path / name)
+    _, _, rows = train(assets, run_dir, **extra)
+    assert_trained(assets, run_dir, rows)
+    steps = [r for r in rows if "critic/score/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for key in TRAIN_KEYS + keys:
+        assert all(key in r for r in steps), f"{name}: {key} missing"
+    if name == "guidance_off":  # (the one variant that validates: before training and at the end)
+        assert "val/reward_score" in rows[0] and rows[0]["step"] == 0
+        assert "val/reward_score" in rows[-1] and rows[-1]["step"] == 2
+        assert not any(k.startswith("guidance/") for r in steps for k in r)
+    if name == "mix":  # one of the n=4 samples per prompt is the guidance's: 1/4 of the tokens
+        assert all(r["guidance/offpolicy_seq_ratio"] == pytest.approx(0.25) for r in steps)
+
+
+def test_resume_continues_with_the_same_data_and_metrics(assets, ray_session, tmp_path):
+    full, _, full_rows = train(
+        assets, str(tmp_path / "full"), trainer={"max_steps": 4, "val_before_train": False}
+    )
+    resumed_dir = str(tmp_path / "resumed")
+    train(assets, resumed_dir, trainer={"max_steps": 2, "val_before_train": False})
+    second, _, rows = train(
+        assets, resumed_dir, trainer={"max_steps": 4, "val_before_train": False, "resume": "auto"}
+    )
+    assert second.seen_indices == full.seen_indices[2:]  # the same prompts, in the same order
+    step4 = next(r for r in rows if r["step"] == 4 and "critic/score/mean" in r)
+    full4 = next(r for r in full_rows if r["step"] == 4 and "critic/score/mean" in r)
+    for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm",
+                "guidance/offpolicy_token_ratio", "guidance/is_weight_mean"):  # fmt: skip
+        assert step4[key] == pytest.approx(full4[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["algorithm.adv_estimator=nope"], "algorithm.adv_estimator"),
+        (["worker.actor.loss_type=nope"], "worker.actor.loss_type"),
+        (["worker.rollout.offpolicy_guidance.enable=true"], "offpolicy_guidance.model_path"),
+        (["algorithm.adv_estimator=optimal_token_baseline"], "calculate_sum_pi_squared"),
+        (
+            ["algorithm.importance_clamp_min=3.0", "algorithm.importance_clamp_max=2.0"],
+            "importance_clamp",
+        ),
+    ],
+)
+def test_bad_config_fails_before_ray_with_one_line(args, message):
+    code = "import sys, ray; from verl.trainer.main import main; rc = main(sys.argv[1:]); " \
+           "assert not ray.is_initialized(); sys.exit(rc)"  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]

@@ -1,0 +1,156 @@
+"""Command line (EasyR1 style): `python3 -m verl.trainer.main config=examples/x.yaml key=value ...`
+
+Everything a user can get wrong is checked before Ray starts: the config (one-line errors),
+model folders, the guidance tokenizer, the datasets and the reward function. Then Ray starts
+locally (or joins the cluster in `RAY_ADDRESS`), the trainer runs, and plots are written.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+from verl.trainer.config import ConfigError, PPOConfig, load_config
+from verl.utils.dataset import PromptEncoder, RLDataset
+from verl.utils.embedded import CACHE_DIR, build_embedded
+
+
+@dataclass
+class Prepared:
+    """What the driver builds before Ray starts."""
+
+    config: PPOConfig
+    tokenizer: object
+    train: RLDataset
+    val: RLDataset | None
+    reward: object
+    val_reward: object
+
+
+def _check_model_folder(key: str, path: str | None) -> None:
+    if not path or not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(
+            f"{key}: {path!r} is not a local model folder (config.json, weights, tokenizer)"
+        )
+
+
+def _build_embedded_if_needed(config: PPOConfig) -> None:
+    """Model paths inside the embedded cache are built on first use (`verl/utils/embedded.py`)."""
+    paths = [config.worker.actor.model.model_path]
+    if config.worker.rollout.offpolicy_guidance.enable:
+        paths.append(config.worker.rollout.offpolicy_guidance.model_path)
+    cache = os.path.abspath(CACHE_DIR)
+    missing = [
+        p for p in paths if p and not os.path.isdir(p) and os.path.abspath(p).startswith(cache)
+    ]
+    if missing:
+        build_embedded(CACHE_DIR)
+
+
+def prepare(config: PPOConfig) -> Prepared:
+    """Checks and builds everything that needs no Ray: models on disk, data, reward functions."""
+    from transformers import AutoTokenizer
+
+    from verl.workers.reward.function import FunctionRewardManager
+    from verl.workers.rollout.vllm_rollout_spmd import check_same_tokenizer
+
+    _build_embedded_if_needed(config)
+    actor_path = config.worker.actor.model.model_path
+    _check_model_folder("worker.actor.model.model_path", actor_path)
+    guidance = config.worker.rollout.offpolicy_guidance
+    if guidance.enable:
+        _check_model_folder("worker.rollout.offpolicy_guidance.model_path", guidance.model_path)
+        check_same_tokenizer(actor_path, guidance.model_path)
+    tokenizer = AutoTokenizer.from_pretrained(
+        config.worker.actor.model.tokenizer_path or actor_path
+    )
+    data = config.data
+    encoder = PromptEncoder(
+        tokenizer, data.max_prompt_length, data.apply_chat_template, data.format_prompt
+    )
+    train = RLDataset(
+        data.train_files, encoder, data.prompt_key, data.answer_key, data.filter_overlong_prompts
+    )
+    val = None
+    if data.val_files:
+        val = RLDataset(
+            data.val_files, encoder, data.prompt_key, data.answer_key, data.filter_overlong_prompts
+        )
+    if len(train) < data.rollout_batch_size:
+        raise ValueError(f"data.rollout_batch_size={data.rollout_batch_size} is larger than the "
+                         f"{len(train)} usable training prompts of {data.train_files!r}")  # fmt: skip
+    reward = FunctionRewardManager(config.worker.reward, tokenizer)
+    return Prepared(
+        config,
+        tokenizer,
+        train,
+        val,
+        reward,
+        FunctionRewardManager(config.worker.reward, tokenizer),
+    )
+
+
+def start_ray(config: PPOConfig) -> None:
+    """Join `RAY_ADDRESS` when set, else start a local Ray with enough logical CPUs."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=env)
+        return
+    workers = config.trainer.nnodes * config.trainer.n_gpus_per_node
+    ray.init(num_cpus=max(os.cpu_count() or 1, workers + 1), include_dashboard=False,
+             runtime_env=env, log_to_driver=True)  # fmt: skip
+
+
+def run(prepared: Prepared) -> dict[str, float]:
+    """Start Ray, build the workers, train; Ray is shut down even when a step fails."""
+    import ray
+
+    from verl.trainer.ray_trainer import RayPPOTrainer
+
+    start_ray(prepared.config)
+    try:
+        trainer = RayPPOTrainer(prepared.config, prepared.train, prepared.val, prepared.reward,
+                                prepared.val_reward)  # fmt: skip
+        trainer.init_workers()
+        metrics = trainer.fit()
+        _plot(trainer.run_dir)
+        return metrics
+    finally:
+        ray.shutdown()
+
+
+def _plot(run_dir: str) -> None:
+    from verl.tools.plot_metrics import plot_run
+
+    log = os.path.join(run_dir, "experiment_log.jsonl")
+    if os.path.isfile(log):
+        for path in plot_run(run_dir):
+            print(f"plot: {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, check (before Ray), run. Exit 2 on a bad configuration or input, with one line."""
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        prepared = prepare(load_config(args))
+    except (ConfigError, FileNotFoundError, ValueError, KeyError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    from verl.workers.reward.function import RewardError
+
+    try:
+        run(prepared)
+    except RewardError as error:  # the run stopped cleanly (Ray shut down); say why in one line
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

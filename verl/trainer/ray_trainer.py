@@ -1,0 +1,331 @@
+"""The PPO/GRPO trainer: one driver process over Ray workers, one step = DESIGN.md §2.
+
+    rollout (draft + guidance)  ->  reward (async)  ->  old log-probs (+ Σπ²)  ->  ref log-probs
+    ->  off-policy corrections (behavior, IS weights, masks, guidance/* and mismatch/* metrics)
+    ->  advantages  ->  actor update  ->  weight sync to the draft engine  ->  log, checkpoint
+
+Each stage is timed (`timing_s/<stage>`). Workers: `FSDPWorker` ranks (actor, with the reference
+colocated when a KL term needs it) and one `RolloutWorker` holding the vLLM engines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import warnings
+
+import numpy as np
+import ray
+import torch
+
+from verl.protocol import DataProto
+from verl.trainer.config import PPOConfig, to_dict
+from verl.trainer.core_algos.advantage import get_adv_estimator_fn, is_grouped
+from verl.trainer.core_algos.guidance import compute_guidance_metrics
+from verl.trainer.core_algos.kl import apply_kl_penalty, compute_mismatch_metrics
+from verl.trainer.core_algos.offpolicy import (
+    compute_geometric_mask,
+    compute_importance_weights,
+    compute_rejection_mask,
+)
+from verl.trainer.core_algos.sum_pi_squared import compute_variance_proxy_metrics
+from verl.trainer.metrics import compute_data_metrics, compute_throughput_metrics, timed
+from verl.utils import metric_names as M
+from verl.utils.checkpoint import is_complete
+from verl.utils.dataset import RLDataset, build_dataloader
+from verl.utils.tracking import Tracking
+from verl.workers.fsdp_workers import FSDPWorker
+from verl.workers.reward.function import FunctionRewardManager
+from verl.workers.rollout.worker import RolloutWorker
+from verl.workers.worker_group import RayWorkerGroup, reduce_metrics
+
+STEP_DIR = "global_step_{}"
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+class RayPPOTrainer:
+    """Builds the workers, then `fit()` runs validation, training steps, logging and checkpoints."""
+
+    def __init__(self, config: PPOConfig, train_data: RLDataset, val_data: RLDataset | None,
+                 reward: FunctionRewardManager, val_reward: FunctionRewardManager) -> None:  # fmt: skip
+        self.config, self.reward, self.val_reward = config, reward, val_reward
+        trainer = config.trainer
+        self.world_size = trainer.nnodes * trainer.n_gpus_per_node
+        self.train_loader = build_dataloader(train_data, config.data.rollout_batch_size,
+                                             config.data.shuffle, config.data.seed, drop_last=True)  # fmt: skip
+        self.val_loader = None
+        if val_data is not None:
+            self.val_loader = build_dataloader(
+                val_data, config.data.val_batch_size, False, 0, False
+            )
+        steps_per_epoch = len(self.train_loader)
+        self.total_steps = trainer.max_steps or steps_per_epoch * trainer.total_epochs
+        self.run_dir = trainer.save_checkpoint_path
+        self.global_step = 0
+        self.use_gpu = trainer.device == "cuda" or (
+            trainer.device == "auto" and torch.cuda.is_available()
+        )
+        self._warned_single_sample = False
+        self.seen_indices: list[list[int]] = []  # dataset rows of each step (resume checks)
+
+    # ------------------------------------------------------------------ workers
+    def init_workers(self) -> None:
+        """Actor (+ colocated reference) FSDP ranks and the rollout actor with the vLLM engines."""
+        cfg = self.config
+        role = "actor_ref" if cfg.uses_reference else "actor"
+        share = 0.5 if self.use_gpu else 0  # actor and rollout share each GPU
+        self.actor_wg = RayWorkerGroup(FSDPWorker, self.world_size, cfg.worker, role=role,
+                                       num_cpus_per_worker=1, num_gpus_per_worker=share)  # fmt: skip
+        self.actor_wg.execute_all("init_model")
+        rollout_cls = ray.remote(num_cpus=1, num_gpus=share)(RolloutWorker)
+        self.rollout = rollout_cls.remote(cfg.worker.actor.model.model_path, cfg.worker.rollout)
+        ray.get(self.rollout.__ray_ready__.remote())
+
+    def shutdown(self) -> None:
+        """Stop this trainer's Ray actors (Ray itself keeps running)."""
+        self.actor_wg.shutdown()
+        ray.kill(self.rollout)
+
+    def _sync_weights(self) -> None:
+        state = self.actor_wg.execute_all("full_state_dict")[0]
+        ray.get(self.rollout.sync_weights.remote(state))
+
+    # ------------------------------------------------------------------ one step
+    def _generate(self, batch: DataProto, metrics: dict) -> DataProto:
+        cfg = self.config
+        batch.non_tensor_batch["uid"] = np.array(
+            [f"{self.global_step}-{i}" for i in range(len(batch))], dtype=object
+        )
+        batch.meta_info.update(global_step=self.global_step, total_steps=self.total_steps)
+        with timed("gen", metrics):
+            out = ray.get(self.rollout.generate_sequences.remote(batch))
+        meta = out.meta_info
+        if "accept_rate" in meta:
+            metrics[M.GUIDANCE_ACCEPT_RATE] = meta["accept_rate"]
+        if "topk_tail_mass" in meta:
+            metrics[M.GUIDANCE_TOPK_TAIL_MASS] = meta["topk_tail_mass"]
+        out.meta_info = {"temperature": cfg.worker.rollout.temperature, "lam": meta.get("lam", 0.0)}
+        return out
+
+    def _off_policy(self, batch: DataProto, metrics: dict) -> None:
+        """Behavior log-probs, importance weights, rejection masks, guidance/* and mismatch/*."""
+        cfg, algo, b = self.config, self.config.algorithm, batch.batch
+        mask = b["response_mask"]
+        if cfg.worker.rollout.offpolicy_guidance.enable:
+            metrics.update(compute_guidance_metrics(
+                b["offpolicy_mask"], mask, b["behavior_log_probs"], b["rollout_log_probs"],
+                b.get("guidance_missing_mask"), lam=batch.meta_info["lam"]))  # fmt: skip
+        else:
+            b["behavior_log_probs"] = b["rollout_log_probs"]  # μ is the draft engine's sampler
+        metrics.update(compute_mismatch_metrics(b["rollout_log_probs"], b["old_log_probs"], mask,
+                                                b.get("offpolicy_mask"), algo.mismatch_forced_threshold))  # fmt: skip
+        behavior = b["behavior_log_probs"]
+        if cfg.uses_importance_weights:
+            weights, weight_metrics = compute_importance_weights(
+                b["old_log_probs"], behavior, mask, algo.tis_level,
+                algo.importance_clamp_min, algo.importance_clamp_max)  # fmt: skip
+            b["importance_weights"] = weights
+            metrics.update(weight_metrics)
+        keep = torch.ones_like(mask)
+        if algo.mis_level != "none":
+            mis = compute_rejection_mask(b["old_log_probs"], behavior, mask, algo.mis_level,
+                                         algo.mis_threshold_lower, algo.mis_threshold_upper)  # fmt: skip
+            metrics[M.MISMATCH_MIS_MASKED_FRAC] = 1.0 - (mis * mask).sum().item() / max(
+                mask.sum().item(), 1
+            )
+            keep = keep * mis
+        if algo.geometric_mask:
+            geo = compute_geometric_mask(b["old_log_probs"], behavior, mask,
+                                         algo.geometric_mask_lower, algo.geometric_mask_upper)  # fmt: skip
+            has = mask.sum(-1) > 0
+            metrics[M.MISMATCH_GEO_MASKED_SEQ_FRAC] = (geo.amax(-1)[has] == 0).float().mean().item()
+            keep = keep * geo
+        if algo.mis_level != "none" or algo.geometric_mask:
+            b["rollout_mask"] = keep
+
+    def _advantages(self, batch: DataProto, metrics: dict) -> None:
+        cfg, algo, b = self.config, self.config.algorithm, batch.batch
+        rewards = b["token_level_scores"]
+        if cfg.uses_reference and not algo.use_kl_loss:
+            rewards, kl_metrics = apply_kl_penalty(rewards, b["old_log_probs"], b["ref_log_probs"],
+                                                   b["response_mask"], algo.kl_coef, algo.kl_penalty)  # fmt: skip
+            metrics.update(kl_metrics)
+        b["token_level_rewards"] = rewards
+        if (
+            is_grouped(algo.adv_estimator)
+            and cfg.worker.rollout.n == 1
+            and not self._warned_single_sample
+        ):
+            warnings.warn(f"algorithm.adv_estimator={algo.adv_estimator!r} groups the n samples of a "
+                          "prompt, but worker.rollout.n=1: every group has one sample (raw returns)", stacklevel=2)  # fmt: skip
+            self._warned_single_sample = True
+        advantages, returns = get_adv_estimator_fn(algo.adv_estimator)(
+            token_level_rewards=rewards, response_mask=b["response_mask"],
+            index=batch.non_tensor_batch["uid"], epsilon=algo.adv_epsilon, gamma=algo.gamma,
+            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, old_log_probs=b["old_log_probs"],
+            sum_pi_squared=b.get("sum_pi_squared"), rollout_is_weights=b.get("importance_weights"),
+            otb_epsilon=algo.otb_epsilon, otb_handle_zero_tail=algo.otb_handle_zero_tail,
+        )  # fmt: skip
+        b["advantages"], b["returns"] = advantages, returns
+        if "sum_pi_squared" in b.keys():
+            metrics.update(compute_variance_proxy_metrics(advantages, b["response_mask"], b["old_log_probs"],
+                                                          b["sum_pi_squared"], b.get("importance_weights")))  # fmt: skip
+
+    def train_step(self, batch: DataProto) -> dict[str, float]:
+        """One step of DESIGN.md §2 on a batch of prompts; returns its metrics."""
+        metrics: dict[str, float] = {}
+        start = time.perf_counter()
+        self.seen_indices.append(batch.non_tensor_batch["index"].tolist())
+        batch = self._generate(batch, metrics)
+        reward_future = self.reward.compute_async(batch)  # beside the log-prob work below
+        with timed("old_log_prob", metrics):
+            batch = batch.union(self.actor_wg.dispatch("compute_log_prob", batch))
+        if self.config.uses_reference:
+            with timed("ref", metrics):
+                batch = batch.union(self.actor_wg.dispatch("compute_ref_log_prob", batch))
+        with timed("reward", metrics):
+            batch.batch["token_level_scores"], components = reward_future.result()
+        with timed("off_policy", metrics):
+            self._off_policy(batch, metrics)
+        with timed("adv", metrics):
+            self._advantages(batch, metrics)
+        with timed("update_actor", metrics):
+            metrics.update(reduce_metrics(self.actor_wg.execute_dp("update_actor", batch)))
+        with timed("sync_weights", metrics):
+            self._sync_weights()
+        metrics.update(compute_data_metrics(batch, components))
+        metrics.update(
+            compute_throughput_metrics(batch, time.perf_counter() - start, self.world_size)
+        )
+        return metrics
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        """Draft-only generation (no guidance) on the validation set: val/* metrics."""
+        if self.val_loader is None:
+            return {}
+        overrides = self.config.worker.rollout.val_override_config
+        scores, lengths, components = [], [], {}
+        for batch in self.val_loader:
+            batch.meta_info = {"n": overrides.get("n", 1), "guidance": False, "global_step": self.global_step,
+                               "temperature": overrides.get("temperature", self.config.worker.rollout.temperature)}  # fmt: skip
+            out = ray.get(self.rollout.generate_sequences.remote(batch))
+            token_scores, parts = self.val_reward.compute(out)
+            scores.append(token_scores.sum(-1))
+            lengths.append(out.batch["response_mask"].sum(-1))
+            for key, values in parts.items():
+                components.setdefault(key, []).extend(values)
+        metrics = {"val/reward_score": torch.cat(scores).mean().item(),
+                   "val/response_length": torch.cat(lengths).float().mean().item()}  # fmt: skip
+        for key, values in components.items():
+            if key != "overall":
+                metrics[f"val/score/{key}"] = sum(values) / len(values)
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> str:
+        """Actor shards + dataloader position under global_step_<n>, written then renamed."""
+        final = os.path.join(self.run_dir, STEP_DIR.format(self.global_step))
+        tmp = final + ".partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.actor_wg.execute_all("save_checkpoint", os.path.join(tmp, "actor"))
+        torch.save({"global_step": self.global_step, "dataloader": self.train_loader.state_dict()},
+                   os.path.join(tmp, "trainer_state.pt"))  # fmt: skip
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        with open(os.path.join(self.run_dir, LATEST), "w") as f:
+            f.write(str(self.global_step))
+        self._prune_checkpoints()
+        return final
+
+    def _checkpoints(self) -> list[int]:
+        steps = []
+        for name in os.listdir(self.run_dir) if os.path.isdir(self.run_dir) else []:
+            if name.startswith("global_step_") and name[12:].isdigit():
+                if is_complete(os.path.join(self.run_dir, name, "actor")):
+                    steps.append(int(name[12:]))
+        return sorted(steps)
+
+    def _prune_checkpoints(self) -> None:
+        limit = self.config.trainer.save_limit
+        if limit > 0:
+            for step in self._checkpoints()[:-limit]:
+                shutil.rmtree(os.path.join(self.run_dir, STEP_DIR.format(step)), ignore_errors=True)
+
+    def _resume_path(self) -> str | None:
+        resume = self.config.trainer.resume
+        if resume == "none":
+            return None
+        if resume != "auto":
+            if not is_complete(os.path.join(resume, "actor")):
+                raise FileNotFoundError(
+                    f"trainer.resume: {resume!r} is not a complete checkpoint folder"
+                )
+            return resume
+        steps = self._checkpoints()
+        return os.path.join(self.run_dir, STEP_DIR.format(steps[-1])) if steps else None
+
+    def load_checkpoint(self) -> bool:
+        """Resume from trainer.resume (auto: the latest complete checkpoint). True if resumed."""
+        path = self._resume_path()
+        if path is None:
+            return False
+        self.actor_wg.execute_all("load_checkpoint", os.path.join(path, "actor"))
+        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        self.global_step = state["global_step"]
+        self.train_loader.load_state_dict(state["dataloader"])
+        self._sync_weights()
+        return True
+
+    # ------------------------------------------------------------------ the run
+    def fit(self) -> dict[str, float]:
+        """Validate, train `total_steps` steps (resuming if asked), checkpoint; last metrics out."""
+        trainer = self.config.trainer
+        resumed = self.load_checkpoint()
+        tracker = Tracking(trainer.logger, trainer.project_name, trainer.experiment_name, self.run_dir,
+                           to_dict(self.config), self.total_steps, self.global_step)  # fmt: skip
+        self.tracker, last = tracker, {}
+        try:
+            if resumed:
+                tracker.message(f"resumed from step {self.global_step}")
+            if trainer.val_before_train and not resumed:
+                last = self.validate()
+                tracker.log(last, self.global_step)
+                self.first_val = dict(last)
+            if trainer.val_only:
+                return last
+            while self.global_step < self.total_steps:
+                for batch in self.train_loader:
+                    last = self._run_step(batch)
+                    if self.global_step >= self.total_steps:
+                        break
+            if self.val_loader is not None and (
+                trainer.val_freq <= 0 or self.global_step % trainer.val_freq
+            ):
+                val = self.validate()
+                tracker.log(val, self.global_step)
+                last.update(val)
+            if trainer.save_freq <= 0 or self.global_step % trainer.save_freq:
+                self.save_checkpoint()
+            return last
+        finally:
+            tracker.finish()
+
+    def _run_step(self, batch: DataProto) -> dict[str, float]:
+        trainer = self.config.trainer
+        self.global_step += 1
+        metrics = self.train_step(batch)
+        if trainer.val_freq > 0 and self.global_step % trainer.val_freq == 0:
+            metrics.update(self.validate())
+        self.tracker.log(metrics, self.global_step)
+        if trainer.save_freq > 0 and self.global_step % trainer.save_freq == 0:
+            self.save_checkpoint()
+        return metrics
+
+
+def write_run_summary(path: str, summary: dict) -> None:
+    """A small JSON next to the logs (the demo's final table reads it)."""
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)

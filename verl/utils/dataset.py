@@ -1,0 +1,154 @@
+"""Prompt datasets for RL: jsonl, parquet, Hugging Face `datasets`, and the embedded task.
+
+`data.train_files` / `data.val_files` accept:
+- `path/to/file.jsonl` (or `.json`), `path/to/file.parquet`;
+- a local folder written by `datasets.save_to_disk`, or any folder `datasets.load_dataset` reads;
+- `name@split` for a Hugging Face dataset already in the local cache (no hub access here);
+- `embedded://arithmetic@train` / `@test`, built by `verl/utils/embedded.py`.
+
+Each prompt is wrapped in the format-prompt template (a Jinja file with `{{ content }}`) when one
+is given, then in the tokenizer's chat template unless `data.apply_chat_template` is false, and
+left-padded to `max_prompt_length`; longer prompts are dropped and counted (or refused).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from verl.protocol import DataProto
+from verl.utils.embedded import EMBEDDED_SCHEME, load_embedded
+
+
+def load_rows(spec: str) -> list[dict]:
+    """The rows of a dataset given in any form listed in the module docstring."""
+    if spec.startswith(EMBEDDED_SCHEME):
+        return load_embedded(spec)
+    import datasets
+
+    if os.path.isfile(spec):
+        kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(
+            os.path.splitext(spec)[1]
+        )
+        if kind is None:
+            raise ValueError(f"data file {spec!r}: unknown format; valid: .jsonl, .json, .parquet")
+        return list(datasets.load_dataset(kind, data_files=spec, split="train"))
+    if os.path.isdir(spec):
+        if os.path.isfile(os.path.join(spec, "dataset_info.json")):
+            loaded = datasets.load_from_disk(spec)
+            return list(loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded)
+        return list(datasets.load_dataset(spec, split="train"))
+    name, sep, split = spec.partition("@")
+    if not sep:
+        raise FileNotFoundError(
+            f"data {spec!r} is not a file or folder; use a .jsonl/.parquet path, a dataset folder, "
+            "name@split, or embedded://arithmetic@train"
+        )
+    return list(datasets.load_dataset(name, split=split))
+
+
+@dataclass
+class PromptEncoder:
+    """Turns a raw prompt string into left-padded token ids."""
+
+    tokenizer: object
+    max_prompt_length: int
+    apply_chat_template: bool = True
+    format_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        self._template = None
+        if self.format_prompt:
+            import jinja2
+
+            if not os.path.isfile(self.format_prompt):
+                raise FileNotFoundError(
+                    f"data.format_prompt: file {self.format_prompt!r} not found"
+                )
+            with open(self.format_prompt) as f:
+                self._template = jinja2.Template(f.read())
+
+    def text(self, prompt: str) -> str:
+        """The prompt as the model sees it (template and chat template applied)."""
+        if self._template is not None:
+            prompt = self._template.render(content=prompt)
+        if self.apply_chat_template:
+            messages = [{"role": "user", "content": prompt}]
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        return prompt
+
+    def ids(self, prompt: str) -> list[int]:
+        """Token ids of the processed prompt (no padding)."""
+        return self.tokenizer(self.text(prompt), add_special_tokens=False)["input_ids"]
+
+
+class RLDataset(torch.utils.data.Dataset):
+    """Tokenised prompts with their ground truth; overlong prompts filtered and counted."""
+
+    def __init__(self, spec: str, encoder: PromptEncoder, prompt_key: str, answer_key: str,
+                 filter_overlong: bool = True) -> None:  # fmt: skip
+        rows = load_rows(spec)
+        if not rows:
+            raise ValueError(f"data {spec!r} has no rows")
+        for key in (prompt_key, answer_key):
+            if key not in rows[0]:
+                raise KeyError(
+                    f"data {spec!r} has no column {key!r}; columns: {', '.join(rows[0])}"
+                )
+        self.encoder, self.items, self.num_filtered = encoder, [], 0
+        for index, row in enumerate(rows):
+            ids = encoder.ids(str(row[prompt_key]))
+            if len(ids) > encoder.max_prompt_length:
+                if not filter_overlong:
+                    raise ValueError(
+                        f"data {spec!r} row {index}: prompt of {len(ids)} tokens > data.max_prompt_length="
+                        f"{encoder.max_prompt_length} (set data.filter_overlong_prompts=true to drop such rows)"
+                    )
+                self.num_filtered += 1
+                continue
+            self.items.append((ids, str(row[answer_key]), str(row[prompt_key]), index))
+        if not self.items:
+            raise ValueError(f"data {spec!r}: every prompt is longer than data.max_prompt_length")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int):
+        return self.items[index]
+
+
+def collate(items, max_prompt_length: int, pad_token_id: int) -> DataProto:
+    """Left-pad a list of dataset items into a DataProto (+ ground_truth, raw_prompt, index)."""
+    ids = torch.full((len(items), max_prompt_length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(items), max_prompt_length, dtype=torch.long)
+    for i, (tokens, *_) in enumerate(items):
+        ids[i, max_prompt_length - len(tokens) :] = torch.tensor(tokens)
+        mask[i, max_prompt_length - len(tokens) :] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0) * mask
+    non_tensor = {
+        "ground_truth": np.array([it[1] for it in items], dtype=object),
+        "raw_prompt": np.array([it[2] for it in items], dtype=object),
+        "index": np.array([it[3] for it in items], dtype=np.int64),
+    }
+    return DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids}, non_tensor
+    )
+
+
+def build_dataloader(
+    dataset: RLDataset, batch_size: int, shuffle: bool, seed: int, drop_last: bool
+):
+    """A `torchdata` StatefulDataLoader: its state_dict() resumes the same order mid-epoch."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    tok = dataset.encoder.tokenizer
+    return StatefulDataLoader(
+        dataset, batch_size=min(batch_size, len(dataset)) if batch_size > 0 else len(dataset),
+        shuffle=shuffle, drop_last=drop_last, generator=torch.Generator().manual_seed(seed),
+        collate_fn=lambda items: collate(items, dataset.encoder.max_prompt_length, tok.pad_token_id),
+    )  # fmt: skip

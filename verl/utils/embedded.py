@@ -1,0 +1,185 @@
+"""The embedded default task: reversed-digit addition with a tiny draft and a stronger guidance.
+
+Everything is built by the project's own code (no model hub): `a+b=` prompts whose answer is the
+sum written least-significant digit first (`12+79=` -> `19`, since 91 reversed is 19), a
+character-level tokenizer shared by both models, and two tiny Qwen2 models supervised-trained
+for a few hundred steps: the guidance long enough to be good at the task, the draft briefly, so
+it knows the answer format but is often wrong. DESIGN.md §6: with reversed digits a 4-layer
+width-256 model passes ~86 % after 500 steps on two cores; in the usual order it stays near 6 %.
+
+    python -m verl.utils.embedded [--out .cache/embedded]   # builds once; later calls reuse it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from verl.utils.tiny_lm import TinyLMSpec, build_char_tokenizer, build_tiny_qwen2, save_tiny_lm
+
+EMBEDDED_SCHEME = "embedded://"
+TASKS = ("arithmetic",)
+CACHE_DIR = os.environ.get("VERL_EMBEDDED_CACHE", ".cache/embedded")
+TEST_SIZE = 500
+
+
+def arithmetic_answer(a: int, b: int) -> str:
+    """The sum of a and b with its digits reversed (least significant first)."""
+    return str(a + b)[::-1]
+
+
+def arithmetic_split(split: str, seed: int = 0) -> list[dict[str, str]]:
+    """All 2-digit pairs a, b in [0, 99], shuffled once; the first 500 are `test`, the rest `train`.
+
+    Rows: {"prompt": "a+b=", "answer": reversed digits of a+b}.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"embedded arithmetic split {split!r} is not valid; valid: train, test")
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    random.Random(seed).shuffle(pairs)
+    chosen = pairs[:TEST_SIZE] if split == "test" else pairs[TEST_SIZE:]
+    return [{"prompt": f"{a}+{b}=", "answer": arithmetic_answer(a, b)} for a, b in chosen]
+
+
+def load_embedded(spec: str) -> list[dict[str, str]]:
+    """Rows of `embedded://<task>@<split>` (e.g. embedded://arithmetic@train)."""
+    body = spec[len(EMBEDDED_SCHEME) :]
+    task, _, split = body.partition("@")
+    if task not in TASKS:
+        raise ValueError(
+            f"embedded task {task!r} in {spec!r} is not valid; valid: {', '.join(TASKS)}"
+        )
+    return arithmetic_split(split or "train")
+
+
+@dataclass
+class SFTSpec:
+    """One tiny model of the embedded pair and how long it is supervised-trained."""
+
+    model: TinyLMSpec
+    """Shape of the model."""
+    steps: int
+    """Optimizer steps of supervised training on the train split."""
+    batch_size: int = 256
+    """Prompts per step."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate (linear warm-up over 20 steps, then constant)."""
+
+
+DRAFT = SFTSpec(
+    TinyLMSpec(hidden_size=128, num_hidden_layers=2, vocab_size=128, seed=11), steps=150
+)
+GUIDANCE = SFTSpec(
+    TinyLMSpec(hidden_size=256, num_hidden_layers=4, vocab_size=128, seed=12), steps=500
+)
+
+
+def _encode(rows: list[dict[str, str]], tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, L) ids of prompt + answer + EOS, right-padded, and a mask of the answer + EOS tokens."""
+    seqs, targets = [], []
+    for row in rows:
+        prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        answer = tokenizer(row["answer"], add_special_tokens=False)["input_ids"] + [
+            tokenizer.eos_token_id
+        ]
+        seqs.append(prompt + answer)
+        targets.append([0] * len(prompt) + [1] * len(answer))
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, (s, t) in enumerate(zip(seqs, targets, strict=True)):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(t)] = torch.tensor(t, dtype=torch.bool)
+    return ids, mask
+
+
+@torch.no_grad()
+def greedy_accuracy(model, rows: list[dict[str, str]], tokenizer) -> float:
+    """Share of rows whose greedy answer (and EOS) is exactly right.
+
+    Teacher-forced argmax equals greedy decoding here: greedy output matches the answer iff the
+    argmax is right at every answer position given the right prefix.
+    """
+    ids, mask = _encode(rows, tokenizer)
+    logits = model(ids).logits[:, :-1]
+    correct = (logits.argmax(-1) == ids[:, 1:]) | ~mask[:, 1:]
+    return correct.all(-1).float().mean().item()
+
+
+def supervised_train(spec: SFTSpec, rows: list[dict[str, str]], tokenizer, log=print):
+    """A tiny Qwen2 trained with cross-entropy on the answer tokens (prompts are not predicted)."""
+    model = build_tiny_qwen2(spec.model, tokenizer)
+    ids, mask = _encode(rows, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
+    gen = torch.Generator().manual_seed(spec.model.seed)
+    model.train()
+    for step in range(spec.steps):
+        pick = torch.randint(0, ids.shape[0], (spec.batch_size,), generator=gen)
+        batch, target = ids[pick], mask[pick]
+        logits = model(batch).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits[target[:, 1:]], batch[:, 1:][target[:, 1:]])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if (step + 1) % 50 == 0:
+            log(f"  step {step + 1}/{spec.steps}  loss {loss.item():.3f}")
+    model.eval()
+    return model
+
+
+def build_embedded(out: str = CACHE_DIR, log=print) -> dict[str, str]:
+    """Build (once) the draft and guidance models under `out`; returns their paths and accuracies.
+
+    A folder is reused when its `embedded.json` records the same specs; each model is written to
+    a temporary folder and renamed when complete, so an interrupted build leaves nothing half-made.
+    """
+    os.makedirs(out, exist_ok=True)
+    tokenizer = build_char_tokenizer()
+    train, test = arithmetic_split("train"), arithmetic_split("test")
+    result = {}
+    for name, spec in (("draft", DRAFT), ("guidance", GUIDANCE)):
+        path = os.path.join(out, name)
+        marker = os.path.join(path, "embedded.json")
+        wanted = {"spec": asdict(spec)}
+        if os.path.isfile(marker):
+            with open(marker) as f:
+                recorded = json.load(f)
+            if recorded.get("spec") == wanted["spec"]:
+                result[name], result[f"{name}_accuracy"] = path, recorded["test_accuracy"]
+                continue
+        log(f"building the embedded {name} model ({spec.steps} supervised steps, once)...")
+        start = time.perf_counter()
+        torch.manual_seed(spec.model.seed)
+        model = supervised_train(spec, train, tokenizer, log)
+        accuracy = greedy_accuracy(model, test, tokenizer)
+        tmp = path + ".partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_tiny_lm(tmp, spec.model, model)
+        with open(os.path.join(tmp, "embedded.json"), "w") as f:
+            json.dump({**wanted, "test_accuracy": accuracy}, f)
+        shutil.rmtree(path, ignore_errors=True)
+        os.rename(tmp, path)
+        log(f"  {name}: test accuracy {accuracy:.1%} ({time.perf_counter() - start:.0f} s)")
+        result[name], result[f"{name}_accuracy"] = path, accuracy
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=CACHE_DIR)
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    print(json.dumps(build_embedded(args.out), indent=1))
+
+
+if __name__ == "__main__":
+    main()

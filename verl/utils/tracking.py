@@ -1,0 +1,74 @@
+"""Experiment loggers: console (a progress bar), file (`experiment_log.jsonl`), wandb, tensorboard."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+LOGGERS = ("console", "file", "wandb", "tensorboard")
+
+
+class Tracking:
+    """Sends each step's metrics to every configured logger (valid names: `LOGGERS`)."""
+
+    def __init__(self, loggers: list[str], project: str, experiment: str, run_dir: str,
+                 config: dict[str, Any], total_steps: int, start_step: int = 0) -> None:  # fmt: skip
+        unknown = [name for name in loggers if name not in LOGGERS]
+        if unknown:
+            raise ValueError(f"trainer.logger: {unknown} not valid; valid: {', '.join(LOGGERS)}")
+        self.loggers, self.run_dir = list(loggers), run_dir
+        os.makedirs(run_dir, exist_ok=True)
+        self._bar = self._file = self._wandb = self._tb = None
+        if "console" in loggers:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="training", unit="step")
+        if "file" in loggers:
+            self.log_path = os.path.join(run_dir, "experiment_log.jsonl")
+            self._file = open(self.log_path, "a")
+        if "wandb" in loggers:
+            import wandb
+
+            self._wandb = wandb.init(project=project, name=experiment, config=config, dir=run_dir)
+        if "tensorboard" in loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Record `metrics` for `step` everywhere (non-finite values are written as null/NaN)."""
+        if self._file is not None:
+            clean = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}
+            self._file.write(json.dumps({"step": step, **clean}) + "\n")
+            self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+        if self._bar is not None and "critic/score/mean" in metrics:  # a training step
+            postfix = {"reward": f"{metrics['critic/score/mean']:.3f}"}
+            if "guidance/offpolicy_token_ratio" in metrics:
+                postfix["guided"] = f"{metrics['guidance/offpolicy_token_ratio']:.3f}"
+            self._bar.set_postfix(postfix)
+            self._bar.update(max(step - self._bar.n, 0))
+
+    def message(self, text: str) -> None:
+        """A line of text on the console (above the progress bar)."""
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def finish(self) -> None:
+        """Close files and runs."""
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._tb is not None:
+            self._tb.close()

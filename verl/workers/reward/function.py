@@ -1,0 +1,141 @@
+"""Rule-based rewards (EasyR1 style): built-in functions by name, or `path/to/file.py:fn`.
+
+A reward function scores decoded responses. With `reward_type: batch` it is called once as
+`fn(inputs: list[dict], **kwargs) -> list[dict[str, float]]`; with `sequential`, once per
+response as `fn(input: dict, **kwargs) -> dict[str, float]`. Each input has `response`,
+`response_length` and `ground_truth`; each score dict has `overall` (the reward) and may add
+components, logged as `critic/score/<name>`. The score lands on the last response token.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from verl.protocol import DataProto
+from verl.utils.registry import Registry
+from verl.workers.reward.config import RewardConfig
+
+REWARD_FUNCTIONS = Registry("reward function")
+
+
+@REWARD_FUNCTIONS.register("arithmetic")
+def arithmetic_reward(reward_input: dict) -> dict[str, float]:
+    """Exact match of the stripped response with the answer (the embedded task): 1 or 0."""
+    response = reward_input["response"].strip()
+    return {"overall": float(response == str(reward_input["ground_truth"]).strip())}
+
+
+@REWARD_FUNCTIONS.register("math")
+def math_reward(reward_input: dict, format_weight: float = 0.0) -> dict[str, float]:
+    r"""Accuracy of the last `\boxed{}` answer, checked with math-verify; optional format bonus.
+
+    overall = (1 - format_weight) * accuracy + format_weight * [a \boxed{} answer is present].
+    """
+    from math_verify import parse, verify
+
+    response = reward_input["response"]
+    has_box = float("\\boxed" in response)
+    try:
+        gold = parse(f"${reward_input['ground_truth']}$")
+        accuracy = float(bool(gold) and verify(gold, parse(response)))
+    except Exception:  # math-verify raises on unparsable input: that answer is wrong
+        accuracy = 0.0
+    overall = (1.0 - format_weight) * accuracy + format_weight * has_box
+    return {"overall": overall, "accuracy": accuracy, "format": has_box}
+
+
+def load_reward_function(spec: str | None) -> Callable:
+    """A built-in reward by name, or `path/to/file.py:fn` loaded from that file."""
+    if spec is None:
+        raise ValueError(
+            f"worker.reward.reward_function is not set; valid: {', '.join(REWARD_FUNCTIONS.names())} "
+            "or path/to/file.py:function_name"
+        )
+    if ":" not in spec or not spec.split(":", 1)[0].endswith(".py"):
+        return REWARD_FUNCTIONS.get(spec)
+    path, name = spec.rsplit(":", 1)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"worker.reward.reward_function: file {path!r} not found")
+    module_spec = importlib.util.spec_from_file_location(f"user_reward_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not callable(getattr(module, name, None)):
+        raise AttributeError(
+            f"worker.reward.reward_function: {path!r} defines no function {name!r}"
+        )
+    return getattr(module, name)
+
+
+class RewardError(RuntimeError):
+    """A reward function raised; the message names the offending sample."""
+
+
+class FunctionRewardManager:
+    """Decodes responses, calls the reward function, and returns token-level scores (B, T)."""
+
+    def __init__(self, config: RewardConfig, tokenizer) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        self.fn = load_reward_function(config.reward_function)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+
+    def _inputs(self, data: DataProto) -> list[dict]:
+        responses, mask = data.batch["responses"], data.batch["response_mask"]
+        lengths = mask.sum(-1).long().tolist()
+        texts = self.tokenizer.batch_decode(
+            [r[:n].tolist() for r, n in zip(responses, lengths, strict=True)],
+            skip_special_tokens=self.config.skip_special_tokens,
+        )
+        truths = data.non_tensor_batch["ground_truth"]
+        return [{"response": t, "response_length": n, "ground_truth": g}
+                for t, n, g in zip(texts, lengths, truths, strict=True)]  # fmt: skip
+
+    def _call(self, inputs: list[dict]) -> list[dict[str, float]]:
+        kwargs = self.config.reward_function_kwargs
+        if self.config.reward_type == "batch" and not getattr(self.fn, "_verl_builtin", False):
+            try:
+                return list(self.fn(inputs, **kwargs))
+            except Exception as error:
+                raise RewardError(
+                    f"reward function {self.config.reward_function!r} raised {type(error).__name__}: "
+                    f"{error} (batch of {len(inputs)}; first sample {inputs[0]!r})"
+                ) from error
+        scores = []
+        for item in inputs:
+            try:
+                scores.append(self.fn(item, **kwargs))
+            except Exception as error:
+                raise RewardError(
+                    f"reward function {self.config.reward_function!r} raised {type(error).__name__}: "
+                    f"{error} on sample {item!r}"
+                ) from error
+        return scores
+
+    def compute(self, data: DataProto) -> tuple[torch.Tensor, dict[str, list[float]]]:
+        """(token_level_scores (B, T), per-sample score components)."""
+        inputs = self._inputs(data)
+        scores = self._call(inputs)
+        if len(scores) != len(inputs):
+            raise RewardError(
+                f"reward function {self.config.reward_function!r} returned {len(scores)} scores "
+                f"for {len(inputs)} responses"
+            )
+        mask = data.batch["response_mask"]
+        token_scores = torch.zeros_like(mask, dtype=torch.float32)
+        last = (mask.sum(-1).long() - 1).clamp(min=0)
+        overall = torch.tensor([float(s["overall"]) for s in scores])
+        token_scores[torch.arange(len(scores)), last] = overall * (mask.sum(-1) > 0)
+        components = {k: [float(s[k]) for s in scores] for k in scores[0]}
+        return token_scores, components
+
+    def compute_async(self, data: DataProto) -> Future:
+        """`compute` in a background thread (runs beside the log-prob work of the workers)."""
+        return self._pool.submit(self.compute, data)
+
+
+for _fn in (arithmetic_reward, math_reward):
+    _fn._verl_builtin = True  # built-ins score one response per call
