@@ -24,6 +24,8 @@ INSTALL_REQUIRES = [
     "wandb",
     "tensorboard",
     "tqdm",
+    "torchdata>=0.11",
+    "jinja2",
     "matplotlib",
     "pyyaml",
 ]

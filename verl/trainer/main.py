@@ -97,7 +97,9 @@ def start_ray(config: PPOConfig) -> None:
 
     if ray.is_initialized():
         return
-    env = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}}
+    env = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
+                        # vLLM's INFO lines would bury the progress bar; export it to see them
+                        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}}  # fmt: skip
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=env)
         return

@@ -61,24 +61,22 @@ def load_embedded(spec: str) -> list[dict[str, str]]:
 
 @dataclass
 class SFTSpec:
-    """One tiny model of the embedded pair and how long it is supervised-trained."""
+    """The embedded pair: one tiny model supervised-trained once; the draft is an early snapshot."""
 
     model: TinyLMSpec
-    """Shape of the model."""
-    steps: int
-    """Optimizer steps of supervised training on the train split."""
+    """Shape of both models (same tokenizer, same shape)."""
+    draft_steps: int
+    """Optimizer step whose weights become the draft (before the loss plateau breaks: weak)."""
+    guidance_steps: int
+    """Optimizer steps of the guidance (after the plateau: strong)."""
     batch_size: int = 256
     """Prompts per step."""
-    lr: float = 3e-3
+    lr: float = 1e-3
     """Peak AdamW learning rate (linear warm-up over 20 steps, then constant)."""
 
 
-DRAFT = SFTSpec(
-    TinyLMSpec(hidden_size=128, num_hidden_layers=2, vocab_size=128, seed=11), steps=150
-)
-GUIDANCE = SFTSpec(
-    TinyLMSpec(hidden_size=256, num_hidden_layers=4, vocab_size=128, seed=12), steps=500
-)
+PAIR = SFTSpec(TinyLMSpec(hidden_size=256, num_hidden_layers=4, vocab_size=128, seed=12),
+               draft_steps=325, guidance_steps=525)  # fmt: skip
 
 
 def _encode(rows: list[dict[str, str]], tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,14 +112,15 @@ def greedy_accuracy(model, rows: list[dict[str, str]], tokenizer) -> float:
 
 
 def supervised_train(spec: SFTSpec, rows: list[dict[str, str]], tokenizer, log=print):
-    """A tiny Qwen2 trained with cross-entropy on the answer tokens (prompts are not predicted)."""
+    """Cross-entropy on the answer tokens (prompts are not predicted); yields (step, model) at
+    `draft_steps` and `guidance_steps`."""
     model = build_tiny_qwen2(spec.model, tokenizer)
     ids, mask = _encode(rows, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     gen = torch.Generator().manual_seed(spec.model.seed)
-    model.train()
-    for step in range(spec.steps):
+    for step in range(1, spec.guidance_steps + 1):
+        model.train()
         pick = torch.randint(0, ids.shape[0], (spec.batch_size,), generator=gen)
         batch, target = ids[pick], mask[pick]
         logits = model(batch).logits[:, :-1]
@@ -130,46 +129,55 @@ def supervised_train(spec: SFTSpec, rows: list[dict[str, str]], tokenizer, log=p
         loss.backward()
         optimizer.step()
         schedule.step()
-        if (step + 1) % 50 == 0:
-            log(f"  step {step + 1}/{spec.steps}  loss {loss.item():.3f}")
-    model.eval()
-    return model
+        if step % 50 == 0:
+            log(f"  step {step}/{spec.guidance_steps}  loss {loss.item():.3f}")
+        if step in (spec.draft_steps, spec.guidance_steps):
+            model.eval()
+            yield step, model
 
 
-def build_embedded(out: str = CACHE_DIR, log=print) -> dict[str, str]:
+def _save(path: str, spec: SFTSpec, model, record: dict) -> None:
+    """Write to `path.partial`, then rename: an interrupted build leaves nothing half-made."""
+    tmp = path + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_tiny_lm(tmp, spec.model, model)
+    with open(os.path.join(tmp, "embedded.json"), "w") as f:
+        json.dump(record, f)
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(tmp, path)
+
+
+def build_embedded(out: str = CACHE_DIR, spec: SFTSpec = PAIR, log=print) -> dict[str, str]:
     """Build (once) the draft and guidance models under `out`; returns their paths and accuracies.
 
-    A folder is reused when its `embedded.json` records the same specs; each model is written to
-    a temporary folder and renamed when complete, so an interrupted build leaves nothing half-made.
+    Both folders are reused when their `embedded.json` records the same spec.
     """
-    os.makedirs(out, exist_ok=True)
-    tokenizer = build_char_tokenizer()
-    train, test = arithmetic_split("train"), arithmetic_split("test")
-    result = {}
-    for name, spec in (("draft", DRAFT), ("guidance", GUIDANCE)):
-        path = os.path.join(out, name)
+    paths = {name: os.path.join(out, name) for name in ("draft", "guidance")}
+    wanted = asdict(spec)
+    records = {}
+    for name, path in paths.items():
         marker = os.path.join(path, "embedded.json")
-        wanted = {"spec": asdict(spec)}
         if os.path.isfile(marker):
             with open(marker) as f:
-                recorded = json.load(f)
-            if recorded.get("spec") == wanted["spec"]:
-                result[name], result[f"{name}_accuracy"] = path, recorded["test_accuracy"]
-                continue
-        log(f"building the embedded {name} model ({spec.steps} supervised steps, once)...")
-        start = time.perf_counter()
-        torch.manual_seed(spec.model.seed)
-        model = supervised_train(spec, train, tokenizer, log)
+                records[name] = json.load(f)
+    if all(records.get(n, {}).get("spec") == wanted for n in paths):
+        return {**paths, **{f"{n}_accuracy": records[n]["test_accuracy"] for n in paths}}
+    os.makedirs(out, exist_ok=True)
+    log(
+        f"building the embedded models: {spec.guidance_steps} supervised steps, once (a few minutes on 2 cores)..."
+    )
+    start = time.perf_counter()
+    tokenizer = build_char_tokenizer()
+    train, test = arithmetic_split("train"), arithmetic_split("test")
+    result = dict(paths)
+    for step, model in supervised_train(spec, train, tokenizer, log):
+        name = "draft" if step == spec.draft_steps else "guidance"
         accuracy = greedy_accuracy(model, test, tokenizer)
-        tmp = path + ".partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_tiny_lm(tmp, spec.model, model)
-        with open(os.path.join(tmp, "embedded.json"), "w") as f:
-            json.dump({**wanted, "test_accuracy": accuracy}, f)
-        shutil.rmtree(path, ignore_errors=True)
-        os.rename(tmp, path)
-        log(f"  {name}: test accuracy {accuracy:.1%} ({time.perf_counter() - start:.0f} s)")
-        result[name], result[f"{name}_accuracy"] = path, accuracy
+        _save(paths[name], spec, model, {"spec": wanted, "step": step, "test_accuracy": accuracy})
+        result[f"{name}_accuracy"] = accuracy
+        log(
+            f"  {name} (step {step}): test accuracy {accuracy:.1%} ({time.perf_counter() - start:.0f} s)"
+        )
     return result
 
 

@@ -1,0 +1,61 @@
+"""The file logger and the plot tool."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from verl.tools.plot_metrics import plot_run, read_log
+from verl.utils.tracking import Tracking
+
+
+def test_file_logger_writes_one_json_line_per_call_and_nulls_non_finite(tmp_path):
+    tracker = Tracking(["file"], "p", "e", str(tmp_path), {}, total_steps=2)
+    tracker.log({"critic/score/mean": 0.5, "guidance/is_weight_mean": math.nan}, step=1)
+    tracker.log({"val/reward_score": 0.25}, step=1)
+    tracker.finish()
+    rows = [json.loads(line) for line in open(tmp_path / "experiment_log.jsonl")]
+    assert rows == [{"step": 1, "critic/score/mean": 0.5, "guidance/is_weight_mean": None},
+                    {"step": 1, "val/reward_score": 0.25}]  # fmt: skip
+
+
+def test_unknown_logger_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="valid: console, file, wandb, tensorboard"):
+        Tracking(["mlflow"], "p", "e", str(tmp_path), {}, total_steps=1)
+
+
+def test_tensorboard_and_offline_wandb_write_their_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracker = Tracking(["tensorboard", "wandb"], "p", "e", str(tmp_path), {"a": 1}, total_steps=1)
+    tracker.log({"critic/score/mean": 0.5}, step=1)
+    tracker.finish()
+    assert os.listdir(tmp_path / "tensorboard")
+    assert any(name.startswith("offline-run") for name in os.listdir(tmp_path / "wandb"))
+
+
+def test_plots_cover_reward_guidance_mismatch_and_weights(tmp_path):
+    with open(tmp_path / "experiment_log.jsonl", "w") as f:
+        for step in range(1, 4):
+            f.write(json.dumps({"step": step, "critic/score/mean": step / 4, "response_length/mean": 3.0,
+                                "guidance/offpolicy_token_ratio": 0.1, "guidance/is_weight_mean": 1.0,
+                                "mismatch/kl_v1": 0.0, "actor/pg_loss": None}) + "\n")  # fmt: skip
+    assert read_log(str(tmp_path))["critic/score/mean"] == [(1, 0.25), (2, 0.5), (3, 0.75)]
+    written = plot_run(str(tmp_path))
+    names = sorted(os.path.basename(p) for p in written)
+    assert names == [
+        "guidance.png",
+        "importance_weights.png",
+        "mismatch.png",
+        "response_length.png",
+        "reward.png",
+    ]
+    assert all(os.path.getsize(p) > 1000 for p in written)
+    cli = subprocess.run([sys.executable, "-m", "verl.tools.plot_metrics", str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert cli.returncode == 0 and "reward.png" in cli.stdout
