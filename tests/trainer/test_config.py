@@ -565,3 +565,26 @@ def test_to_dict_is_plain_and_round_trips(example_yaml):
 def test_to_dict_round_trips_defaults():
     config = load_config()
     assert load_config(overrides=to_dict(config)) == config
+
+
+def test_responses_must_split_evenly_over_the_workers():
+    # 3 prompts x n=5 = 15 responses over 1 x 2 = 2 workers: refused before any work
+    args = ["data.rollout_batch_size=3", "worker.rollout.n=5", "trainer.n_gpus_per_node=2"]
+    with pytest.raises(ConfigError, match=r"data\.rollout_batch_size.*15 responses.*2 workers"):
+        load_config(args)
+    assert load_config(["data.rollout_batch_size=4", *args[1:]]).data.rollout_batch_size == 4
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["data.train_files=embedded://arithmetic@train"], "arithmetic"),
+        (["data.train_files=math.jsonl"], "math"),
+        (
+            ["data.train_files=embedded://arithmetic@train", "worker.reward.reward_function=math"],
+            "math",
+        ),
+    ],
+)
+def test_reward_function_default_follows_the_data(args, expected):
+    assert load_config(args).worker.reward.reward_function == expected
