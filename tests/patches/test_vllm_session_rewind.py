@@ -10,7 +10,6 @@ import torch
 pytestmark = pytest.mark.vllm
 VOCAB = 100
 K = VOCAB  # full-distribution log-probs: rows compare exactly
-_KEEP_ALIVE: list = []
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +26,11 @@ def engine(tmp_path_factory):
     llm = LLM(model=path, dtype="float32", enforce_eager=True, max_logprobs=K, seed=0,
               logprobs_mode="raw_logprobs", enable_prefix_caching=False, max_model_len=128,
               kv_cache_memory_bytes=2**27, block_size=32)  # fmt: skip
-    # vLLM's CPU engine tears down torch.distributed state when it is destroyed, after which no
-    # engine can start in this process: keep this one alive for the rest of the test session.
-    _KEEP_ALIVE.append(llm)
-    return llm
+    yield llm
+    # Shut the engine down now, with vLLM's distributed state: left alive, that state points at a
+    # torch process group that later in-process tests (tests/utils/test_checkpoint.py) destroy,
+    # and every later engine then fails to start.
+    llm.llm_engine.engine_core.shutdown()
 
 
 @pytest.fixture()
