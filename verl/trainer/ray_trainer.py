@@ -10,7 +10,6 @@ colocated when a KL term needs it) and one `RolloutWorker` holding the vLLM engi
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -323,9 +322,3 @@ class RayPPOTrainer:
         if trainer.save_freq > 0 and self.global_step % trainer.save_freq == 0:
             self.save_checkpoint()
         return metrics
-
-
-def write_run_summary(path: str, summary: dict) -> None:
-    """A small JSON next to the logs (the demo's final table reads it)."""
-    with open(path, "w") as f:
-        json.dump(summary, f, indent=1)
