@@ -5,6 +5,10 @@ speculative guidance (λ = 0.5) by a tiny pair: the guidance is twice the draft'
 Reported: wall-time ratio guided / draft-only (goal <= 2.0) and guidance tokens computed per
 emitted token, counted by the guidance engine's scheduler (every token it ran; goal <= 2).
 
+Guided, the guidance engine runs in its own process and this process keeps the draft with its
+share of the cores (`split_cpu_threads`: 1 of 2 here); draft-only is timed with torch's default
+threads, as it runs in a process of its own. Both are timed in turns, medians of --repeats.
+
 Usage:
     python benchmarks/bench_guided_rollout.py
     python benchmarks/bench_guided_rollout.py --prompts 32 --response 32 --repeats 2
@@ -28,7 +32,9 @@ import torch
 from verl.protocol import DataProto
 from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
 from verl.workers.rollout.config import RolloutConfig
-from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
+from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout, split_cpu_threads
+
+DEFAULT_THREADS = torch.get_num_threads()  # before any engine changes it
 
 
 def rollout(draft: str, guidance: str | None, args: argparse.Namespace, k: int, tok) -> VLLMRollout:
@@ -53,6 +59,10 @@ def prompts(tok, count: int, length: int) -> DataProto:
 
 
 def timed(engine: VLLMRollout, batch: DataProto) -> tuple[float, DataProto]:
+    if engine.engines.guidance is None:  # the threads each setting has in a process of its own
+        torch._C.set_num_threads(DEFAULT_THREADS)
+    else:
+        split_cpu_threads()
     start = time.perf_counter()
     out = engine.generate_sequences(batch)
     return time.perf_counter() - start, out
@@ -67,7 +77,7 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=64)
     parser.add_argument("--k", default="4,6", help="num_speculative_tokens values, comma-separated")
     parser.add_argument("--logprobs", type=int, default=20, help="top-K log-probs per position")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -95,7 +105,7 @@ def main() -> None:
             assert int(out.batch["response_mask"].sum()) == args.prompts * args.response
     base = statistics.median(times["draft-only"])
     print(f"torch {torch.__version__}, {args.prompts} prompts x {args.prompt_len} tokens, {args.response} new tokens, "
-          f"top-{args.logprobs} log-probs, λ=0.5")  # fmt: skip
+          f"top-{args.logprobs} log-probs, λ=0.5, {os.cpu_count()} cores")  # fmt: skip
     for name, t in times.items():
         m = meta[name]
         extra = ""

@@ -85,6 +85,10 @@ class RayPPOTrainer:
     def shutdown(self) -> None:
         """Stop this trainer's Ray actors (Ray itself keeps running)."""
         self.actor_wg.shutdown()
+        try:  # best effort: the guidance process also exits when the rollout actor dies
+            ray.get(self.rollout.shutdown.remote(), timeout=60)
+        except Exception:  # a dead or stuck actor is killed below either way
+            pass
         ray.kill(self.rollout)
 
     def _sync_weights(self) -> None:

@@ -191,7 +191,12 @@ def test_mix_mode_gives_exactly_mix_num_samples_guidance_responses(models):
         tok.eos_token_id,
         tok.pad_token_id,
     )
-    out = mix.generate_sequences(prompt_batch(tok, ["1+1=", "2+3=", "9+9="], n=5))
+    try:
+        out = mix.generate_sequences(
+            prompt_batch(tok, ["1+1=", "2+3=", "9+9="], n=5, temperature=0.7)
+        )
+    finally:
+        mix.shutdown()
     mask, off = out.batch["response_mask"].bool(), out.batch["offpolicy_mask"]
     per_response = (off & mask).any(-1).view(3, 5)
     assert per_response.sum(-1).tolist() == [2, 2, 2]
@@ -200,6 +205,12 @@ def test_mix_mode_gives_exactly_mix_num_samples_guidance_responses(models):
     )  # whole responses, not tokens
     # behavior is the emitting engine's own log-prob: guidance for guidance responses, draft otherwise
     torch.testing.assert_close(out.batch["behavior_log_probs"], out.batch["guidance_log_probs"])
+    # ... of the distribution it sampled from (temperature 0.7), checked on each first token
+    prompt = tok("1+1=")["input_ids"]
+    for row, path in ((0, models[1]), (2, models[0])):  # samples 0-1 guidance, 2-4 draft
+        token = int(out.batch["responses"][row, 0])
+        expected = next_token_probs(path, prompt, 0.7)[token].log().item()
+        assert out.batch["behavior_log_probs"][row, 0].item() == pytest.approx(expected, abs=1e-4)
 
 
 def test_weight_sync_makes_vllm_match_the_new_hf_weights(models):

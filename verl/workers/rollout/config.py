@@ -39,6 +39,9 @@ class OffPolicyGuidanceConfig:
     """Steps over which λ moves from `lam` to `lam_end` (None: the whole run)."""
     num_speculative_tokens: int = 4
     """Draft tokens proposed per round before the guidance scores them."""
+    pipeline_groups: int = 2
+    """Speculative mode: groups the batch is split into, so the guidance (its own process) scores
+    one group while the draft proposes for the next; 1 alternates the engines on the whole batch."""
     mix_num_samples: int = 1
     """Mix mode: responses per prompt generated entirely by the guidance."""
     behavior: str = "exact"
@@ -57,6 +60,7 @@ class OffPolicyGuidanceConfig:
         check_range(f"{prefix}.tensor_parallel_size", self.tensor_parallel_size, 1)
         check_range(f"{prefix}.logprobs", self.logprobs, 1)
         check_range(f"{prefix}.num_speculative_tokens", self.num_speculative_tokens, 1)
+        check_range(f"{prefix}.pipeline_groups", self.pipeline_groups, 1)
         check_range(f"{prefix}.mix_num_samples", self.mix_num_samples, 0, rollout_n)
         if self.lam_schedule_steps is not None:
             check_range(f"{prefix}.lam_schedule_steps", self.lam_schedule_steps, 1)

@@ -17,8 +17,10 @@ log-prob tables, so it is tested exactly on CPU with toy models. The engine driv
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -161,6 +163,90 @@ class RoundStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
+class SpeculativeBatch:
+    """Speculative generation of a batch of prompts, advanced one round at a time.
+
+    `next_round()` gives the active sequences' (ids, prefixes, budget); the draft proposes and
+    the guidance scores them; `apply(...)` verifies the round and appends the emitted tokens.
+    `ids` are the engines' names for the prompts (default: their positions); engines may keep
+    per-sequence state under them (vLLM sessions).
+    """
+
+    def __init__(
+        self,
+        prompts: list[list[int]],
+        lam: float,
+        num_speculative_tokens: int,
+        max_new_tokens: int,
+        eos_token_id: int | None,
+        generator: torch.Generator | None = None,
+        ids: list[int] | None = None,
+    ) -> None:
+        self.prompts, self.lam, self.generator = prompts, lam, generator
+        self.k, self.max_new_tokens, self.eos_token_id = (
+            num_speculative_tokens,
+            max_new_tokens,
+            eos_token_id,
+        )
+        self.ids = list(range(len(prompts))) if ids is None else list(ids)
+        self.seqs = [GuidedSequence() for _ in prompts]
+        self.stats = RoundStats()
+        self._rows: list[int] = []
+        self._budget: list[int] = []
+
+    @property
+    def done(self) -> bool:
+        """Every sequence ended (EOS or `max_new_tokens`)."""
+        return all(s.finished for s in self.seqs)
+
+    def next_round(self) -> tuple[list[int], list[list[int]], list[int]]:
+        """(ids, prefixes, budget) of the active sequences: prompt + emitted tokens, and how many
+        tokens the draft may propose for each (at most k, never past `max_new_tokens`)."""
+        self._rows = [r for r, s in enumerate(self.seqs) if not s.finished]
+        self._budget = [
+            min(self.k, self.max_new_tokens - len(self.seqs[r].tokens)) for r in self._rows
+        ]
+        prefixes = [self.prompts[r] + self.seqs[r].tokens for r in self._rows]
+        return [self.ids[r] for r in self._rows], prefixes, list(self._budget)
+
+    def apply(
+        self,
+        proposals: torch.Tensor,
+        num_proposed: torch.Tensor,
+        draft_tables: torch.Tensor,
+        guidance_tables: torch.Tensor,
+    ) -> None:
+        """Verify the round that `next_round()` opened (tensors as in `verify_proposals`, one row
+        per active sequence) and append what it emits to the sequences."""
+        result = verify_proposals(
+            proposals, num_proposed, draft_tables, guidance_tables, self.lam, self.generator
+        )
+        self.stats.rounds += 1
+        self.stats.proposed += int(num_proposed.sum())
+        self.stats.accepted += int(result.num_accepted.sum())
+        columns = zip(result.tokens.tolist(), result.offpolicy.tolist(),
+                      result.draft_log_probs.tolist(), result.guidance_log_probs.tolist(),
+                      result.num_emitted.tolist(), strict=True)  # fmt: skip
+        for r, budget, (tokens, off, lp, lq, emitted) in zip(
+            self._rows, self._budget, columns, strict=True
+        ):
+            seq = self.seqs[r]
+            if emitted == 0:
+                raise RuntimeError(
+                    f"sequence {self.ids[r]}: the draft proposed no token (budget {budget})"
+                )
+            if self.eos_token_id in tokens[:emitted]:
+                emitted = tokens.index(self.eos_token_id) + 1
+                seq.finished = True
+            seq.tokens += tokens[:emitted]
+            seq.offpolicy += off[:emitted]
+            seq.draft_log_probs += lp[:emitted]
+            seq.guidance_log_probs += lq[:emitted]
+            self.stats.emitted += emitted
+            if len(seq.tokens) >= self.max_new_tokens:
+                seq.finished = True
+
+
 def speculative_generate(
     prompts: list[list[int]],
     propose: ProposeFn,
@@ -179,37 +265,80 @@ def speculative_generate(
     same positions. Both get only the still-active sequences, with `ids` their indices in
     `prompts` (engines keep per-sequence state). Stops at EOS or `max_new_tokens`.
     """
-    seqs = [GuidedSequence() for _ in prompts]
-    stats = RoundStats()
-    while True:
-        active = [i for i, s in enumerate(seqs) if not s.finished]
-        if not active:
-            return seqs, stats
-        prefixes = [prompts[i] + seqs[i].tokens for i in active]
-        budget = [min(num_speculative_tokens, max_new_tokens - len(seqs[i].tokens)) for i in active]
-        proposals, num_proposed, draft_tables = propose(active, prefixes, budget)
-        guidance_tables = score(active, prefixes, proposals, num_proposed)
-        result = verify_proposals(
-            proposals, num_proposed, draft_tables, guidance_tables, lam, generator
-        )
-        stats.rounds += 1
-        stats.proposed += int(num_proposed.sum())
-        stats.accepted += int(result.num_accepted.sum())
-        for row, i in enumerate(active):
-            seq = seqs[i]
-            if int(result.num_emitted[row]) == 0:
-                raise RuntimeError(
-                    f"sequence {i}: the draft proposed no token (budget {budget[row]})"
-                )
-            for j in range(int(result.num_emitted[row])):
-                token = int(result.tokens[row, j])
-                seq.tokens.append(token)
-                seq.offpolicy.append(bool(result.offpolicy[row, j]))
-                seq.draft_log_probs.append(float(result.draft_log_probs[row, j]))
-                seq.guidance_log_probs.append(float(result.guidance_log_probs[row, j]))
-                stats.emitted += 1
-                if token == eos_token_id:
-                    seq.finished = True
-                    break
-            if len(seq.tokens) >= max_new_tokens:
-                seq.finished = True
+    batch = SpeculativeBatch(
+        prompts, lam, num_speculative_tokens, max_new_tokens, eos_token_id, generator
+    )
+    while not batch.done:
+        ids, prefixes, budget = batch.next_round()
+        proposals, num, draft_tables = propose(ids, prefixes, budget)
+        batch.apply(proposals, num, draft_tables, score(ids, prefixes, proposals, num))
+    return batch.seqs, batch.stats
+
+
+class DraftStepper(Protocol):
+    """The draft engine one step at a time: rounds of several batches may run in the same step."""
+
+    def start(self, key: int, ids: list[int], prefixes: list[list[int]], budget: list[int]) -> None:
+        """Begin batch `key`'s proposals (up to budget[b] tokens per prefix)."""
+
+    @property
+    def busy(self) -> bool:
+        """Some round is still proposing."""
+
+    def step(self) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """One engine step; returns (key, proposals, num_proposed, draft tables) of the rounds
+        whose proposals all finished in it (shapes as `ProposeFn`'s)."""
+
+
+class AsyncScorer(Protocol):
+    """The guidance engine working on its own: answers come back in submission order."""
+
+    def submit(
+        self, ids: list[int], prefixes: list[list[int]], proposals: torch.Tensor, num: torch.Tensor
+    ) -> None:
+        """Start scoring a round's proposals; returns at once."""
+
+    def ready(self) -> bool:
+        """The oldest submitted round's tables can be collected without waiting."""
+
+    def collect(self) -> torch.Tensor:
+        """The guidance tables (B, k, V) of the oldest submitted round (waits if needed)."""
+
+
+def overlapped_generate(
+    batches: list[SpeculativeBatch], draft: DraftStepper, guidance: AsyncScorer, stagger: int
+) -> None:
+    """Run several batches so the engines overlap: while the guidance scores one batch's round,
+    the draft keeps stepping the rounds of the others, and never waits while it has work.
+
+    Batch g starts after g * `stagger` draft steps, so the batches' rounds fall out of phase and
+    a draft step usually holds more than one batch. Each batch still runs its rounds in order
+    with its own generator, so its tokens are exactly those it gets alone with the same engines
+    and follow q_λ as with `speculative_generate`.
+    """
+    pending = deque(range(len(batches)))  # not started yet
+    rounds: dict[int, tuple[list[int], list[list[int]]]] = {}
+    in_flight: deque = deque()
+    steps = 0
+
+    def start(key: int) -> None:
+        ids, prefixes, budget = batches[key].next_round()
+        rounds[key] = (ids, prefixes)
+        draft.start(key, ids, prefixes, budget)
+
+    while pending or draft.busy or in_flight:
+        while pending and (steps >= pending[0] * stagger or not draft.busy):
+            key = pending.popleft()
+            if not batches[key].done:
+                start(key)
+        if draft.busy:
+            steps += 1
+            for key, proposals, num, draft_tables in draft.step():
+                guidance.submit(*rounds[key], proposals, num)
+                in_flight.append((key, proposals, num, draft_tables))
+        # verify what the guidance answered; wait for it only when the draft has nothing to do
+        while in_flight and (guidance.ready() or not (draft.busy or pending)):
+            key, proposals, num, draft_tables = in_flight.popleft()
+            batches[key].apply(proposals, num, draft_tables, guidance.collect())
+            if not batches[key].done:
+                start(key)

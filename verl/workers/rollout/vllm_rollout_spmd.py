@@ -4,12 +4,16 @@ The draft engine samples (and reports) processed log-probs (`logprobs_mode=proce
 the guidance engine scores the proposals with `prompt_logprobs`, which vLLM returns raw, so q is
 processed here with the guidance's sampling settings (`detokenize=False` throughout: we work on
 token ids). In speculative mode every sequence has a rewindable session on each engine
-(`vllm_sessions.py`): a round computes only the new tokens, not the whole prefix.
+(`vllm_sessions.py`): a round computes only the new tokens, not the whole prefix. The guidance
+engine runs in its own process (`guidance_server.py`) and scores one group of sequences while
+the draft steps the others' proposals (`speculative.overlapped_generate`).
 """
 
 from __future__ import annotations
 
 import os
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,13 +22,15 @@ import torch
 from verl.protocol import DataProto
 from verl.trainer.core_algos.guidance import compute_behavior_log_probs, lam_at_step
 from verl.workers.rollout.config import OffPolicyGuidanceConfig, RolloutConfig
+from verl.workers.rollout.guidance_server import GuidanceProcess
 from verl.workers.rollout.speculative import (
     GuidedSequence,
     RoundStats,
+    SpeculativeBatch,
+    overlapped_generate,
     process_log_probs,
-    speculative_generate,
 )
-from verl.workers.rollout.vllm_sessions import SessionEngine, dense_rows
+from verl.workers.rollout.vllm_sessions import SessionEngine, dense_rows, sampled_log_probs
 
 LOG_PROB_FLOOR = -1e4  # stands for log 0 in tensors handed to the trainer (never -inf)
 
@@ -57,32 +63,11 @@ def engine_memory_args(memory_share: float) -> dict:
     return {"kv_cache_memory_bytes": int(memory_share * psutil.virtual_memory().total)}
 
 
-def _entries(logprobs, pos: int) -> tuple[list[int], list[float]]:
-    """Token ids and log-probs listed at position `pos` of vLLM's logprobs (flat or per-position dicts)."""
-    if hasattr(logprobs, "start_indices"):  # FlatLogprobs: a constant number of Python objects
-        start, end = logprobs.start_indices[pos], logprobs.end_indices[pos]
-        return logprobs.token_ids[start:end], logprobs.logprobs[start:end]
-    entries = logprobs[pos]
-    return list(entries.keys()), [e.logprob for e in entries.values()]
-
-
-def _logprob_of(logprobs, pos: int, token: int) -> float:
-    """The log-prob vLLM reported for `token` at position `pos` (the sampled token is always listed)."""
-    ids, values = _entries(logprobs, pos)
-    return values[ids.index(token)]
-
-
 @dataclass
 class _Engines:
     draft: object
-    guidance: object | None
+    guidance: GuidanceProcess | None
     vocab: int
-
-
-@dataclass
-class _Sessions:
-    draft: SessionEngine
-    guidance: SessionEngine
 
 
 class VLLMRollout:
@@ -114,19 +99,26 @@ class VLLMRollout:
         if config.kv_block_size is not None:
             common["block_size"] = config.kv_block_size
         self.num_logprobs = min(guidance.logprobs, vocab) if guidance.enable else 1
+        engine = None
+        if guidance.enable:  # its own process, built while the draft engine is built here
+            engine = GuidanceProcess(env=split_cpu_threads(), llm_kwargs=dict(model=guidance.model_path, dtype=guidance.dtype, tensor_parallel_size=guidance.tensor_parallel_size,
+                                          enforce_eager=config.enforce_eager, max_logprobs=self.num_logprobs,
+                                          # scoring reads raw prompt log-probs (processed here); mix-mode samples report the processed ones
+                                          logprobs_mode="raw_logprobs" if self.speculative else "processed_logprobs",
+                                          **engine_memory_args(guidance.gpu_memory_utilization), **common))  # fmt: skip
         draft = LLM(model=model_path, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
                     enforce_eager=config.enforce_eager, max_logprobs=max(self.num_logprobs, 1),
                     logprobs_mode="processed_logprobs", **engine_memory_args(config.gpu_memory_utilization), **common)  # fmt: skip
-        engine = None
-        if guidance.enable:
-            engine = LLM(model=guidance.model_path, dtype=guidance.dtype, tensor_parallel_size=guidance.tensor_parallel_size,
-                         enforce_eager=config.enforce_eager, max_logprobs=self.num_logprobs, logprobs_mode="raw_logprobs",
-                         **engine_memory_args(guidance.gpu_memory_utilization), **common)  # fmt: skip
+        if engine is not None:
+            engine.wait_ready()
         self.engines = _Engines(draft, engine, vocab)
-        self.sessions = (
-            _Sessions(SessionEngine(draft), SessionEngine(engine)) if self.speculative else None
-        )
+        self.draft_sessions = SessionEngine(draft) if self.speculative else None
         self._call = 0
+
+    def shutdown(self) -> None:
+        """Stop the guidance engine's process (the draft engine goes with this object)."""
+        if self.engines.guidance is not None:
+            self.engines.guidance.shutdown()
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -140,12 +132,16 @@ class VLLMRollout:
     def _draft_params(self, max_tokens: int, logprobs: int, seed: int, **overrides):
         from vllm import SamplingParams
 
+        return SamplingParams(**self._sampling_kwargs(max_tokens, logprobs, seed, **overrides))
+
+    def _sampling_kwargs(self, max_tokens: int, logprobs: int, seed: int, **overrides) -> dict:
+        """SamplingParams fields of a rollout request (the guidance process builds its own)."""
         cfg = self.config
         kwargs = dict(temperature=self._temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=max_tokens,
                       logprobs=logprobs, seed=seed, detokenize=False, ignore_eos=self._ignore_eos, flat_logprobs=True,
                       stop_token_ids=[] if self._ignore_eos else [self.eos_token_id], skip_clone=True)  # fmt: skip
         kwargs.update(overrides)
-        return SamplingParams(**kwargs)
+        return kwargs
 
     def _guidance_processing(self) -> dict:
         cfg, over = self.config, self.config.offpolicy_guidance.sampling_overrides
@@ -153,49 +149,28 @@ class VLLMRollout:
         return {k: over.get(k, v) for k, v in base.items()}
 
     # ------------------------------------------------------------------ engine calls for the pure loop
-    def _propose(self, ids: list[int], prefixes: list[list[int]], budget: list[int]):
-        """Up to budget[b] draft tokens per sequence from its draft session, with dense p tables."""
-        chunks = [(f"d{self._call}-{i}", prefix, b, None) for i, prefix, b in zip(ids, prefixes, budget, strict=True)]  # fmt: skip
-        seed_of = dict(zip((c[0] for c in chunks), (int(self._seeds[i]) for i in ids), strict=True))
-        results = self.sessions.draft.run(
-            chunks, lambda sid, m: self._draft_params(m, self.num_logprobs, seed_of[sid])
-        )
-        outs = [results[sid] for sid, *_ in chunks]
-        num = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.long)
-        rows = dense_rows(torch.from_numpy(np.concatenate([np.stack(o.logprob_ids) for o in outs])),
-                          torch.from_numpy(np.concatenate([np.stack(o.logprobs) for o in outs])), self.engines.vocab)  # fmt: skip
-        valid = torch.arange(max(budget)) < num.unsqueeze(-1)
-        proposals = torch.full(valid.shape, -1, dtype=torch.long)
-        proposals[valid] = torch.tensor([t for o in outs for t in o.token_ids], dtype=torch.long)
-        tables = torch.full((*valid.shape, self.engines.vocab), float("-inf"), dtype=torch.float64)
-        tables[valid] = rows
-        return proposals, num, tables
-
-    def _score(
+    def _submit_score(
         self, ids: list[int], prefixes: list[list[int]], proposals: torch.Tensor, num: torch.Tensor
-    ):
-        """Guidance log-prob tables (B, k, V) at the proposal positions, from the guidance sessions.
+    ) -> None:
+        """Ask the guidance process for its log-prob tables at the proposal positions (no wait).
 
         Row t of vLLM's prompt log-probs scores token t+1, so the proposals of a prefix of length
         L are rows L-1 .. L+n-2; the session recomputes from position L-1 on (`recompute_from`).
         """
-        from vllm import SamplingParams
-
-        def new_params(sid: str, max_tokens: int):
-            return SamplingParams(max_tokens=max_tokens, prompt_logprobs=self.num_logprobs,
-                                  detokenize=False, skip_clone=True)  # fmt: skip
-
         chunks = [(f"g{self._call}-{i}", prefix + proposals[row, : num[row]].tolist(), 1, len(prefix) - 1)
                   for row, (i, prefix) in enumerate(zip(ids, prefixes, strict=True))]  # fmt: skip
-        before = self.sessions.guidance.tokens_computed
-        results = self.sessions.guidance.run(chunks, new_params)
-        self._counters.computed += self.sessions.guidance.tokens_computed - before
+        rows = [(len(prefix) - 1, int(n)) for prefix, n in zip(prefixes, num, strict=True)]
+        self.engines.guidance.submit("score", chunks, rows, self.num_logprobs)
         self._counters.submitted += sum(len(tokens) for _, tokens, *_ in chunks)
-        picked = [(results[sid].prompt_logprobs, len(prefixes[row]) - 1, int(num[row]))
-                  for row, (sid, *_) in enumerate(chunks)]  # fmt: skip
-        rows = dense_rows(torch.cat([lp.logprob_token_ids[f : f + n] for lp, f, n in picked]),
-                          torch.cat([lp.logprobs[f : f + n] for lp, f, n in picked]), self.engines.vocab)  # fmt: skip
-        valid = torch.arange(proposals.shape[1]) < num.unsqueeze(-1)
+        self._scoring.append((proposals.shape[1], num))
+
+    def _collect_score(self) -> torch.Tensor:
+        """The guidance tables (B, k, V) of the oldest round submitted (processed like the draft's)."""
+        width, num = self._scoring.popleft()
+        ids, values, computed = self.engines.guidance.result()
+        self._counters.computed += computed
+        rows = dense_rows(torch.from_numpy(ids), torch.from_numpy(values), self.engines.vocab)
+        valid = torch.arange(width) < num.unsqueeze(-1)
         tables = torch.full((*valid.shape, self.engines.vocab), float("-inf"), dtype=torch.float64)
         tables[valid] = rows
         self._counters.tail_mass.append((1.0 - tables.exp().sum(-1))[valid].clamp(min=0.0))
@@ -254,24 +229,51 @@ class VLLMRollout:
 
     def _speculative(self, prompts: list[list[int]], lam: float, rng: np.random.Generator, gen):
         """Speculative guidance in waves of sequences whose sessions fit both KV caches at once
-        (a session keeps its KV blocks from its first round to its last)."""
+        (a session keeps its KV blocks from its first round to its last). A wave is split into
+        `pipeline_groups` groups whose rounds interleave across the two engines."""
         guidance = self.config.offpolicy_guidance
         longest = max(map(len, prompts)) + self._max_tokens + 1
-        wave = min(self.sessions.draft.capacity(longest), self.sessions.guidance.capacity(longest))
+        wave = min(
+            self.draft_sessions.capacity(longest), self.engines.guidance.call("capacity", longest)
+        )
+        eos = None if self._ignore_eos else self.eos_token_id
         seqs, stats = [], RoundStats()
         for start in range(0, len(prompts), wave):
             self._call += 1  # session ids are unique per wave
-            self._seeds = rng.integers(0, 2**31, min(wave, len(prompts) - start))
+            part = prompts[start : start + wave]
+            seeds = rng.integers(0, 2**31, len(part))
+            self._scoring = deque()
+            groups = np.array_split(np.arange(len(part)), min(guidance.pipeline_groups, len(part)))
+            batches = [SpeculativeBatch([part[i] for i in g], lam, guidance.num_speculative_tokens, self._max_tokens, eos,
+                                        torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=gen))),
+                                        ids=g.tolist()) for g in groups]  # fmt: skip
+            draft = _DraftRounds(self.draft_sessions, self.engines.vocab, f"d{self._call}-",
+                                 lambda i, m, seeds=seeds: self._draft_params(m, self.num_logprobs, int(seeds[i])))  # fmt: skip
+            scorer = _Scorer(self._submit_score, self.engines.guidance.ready, self._collect_score)
+            stagger = -(-guidance.num_speculative_tokens // len(batches))  # spread over one round
             try:
-                part, part_stats = speculative_generate(prompts[start : start + wave], self._propose, self._score, lam,
-                                                        guidance.num_speculative_tokens, self._max_tokens,
-                                                        None if self._ignore_eos else self.eos_token_id, gen)  # fmt: skip
-            finally:
-                self.sessions.draft.close()
-                self.sessions.guidance.close()
-            seqs.extend(part)
-            stats.add(part_stats)
+                overlapped_generate(batches, draft, scorer, stagger)
+            except BaseException:
+                self._abandon_wave()
+                raise
+            self.draft_sessions.close()
+            self.engines.guidance.call("close")
+            for batch in batches:
+                seqs.extend(batch.seqs)
+                stats.add(batch.stats)
         return seqs, stats
+
+    def _abandon_wave(self) -> None:
+        """After an error: collect the guidance answers still in flight and free every session, so
+        the engines stay usable (best effort: the error being raised is the one that matters)."""
+        self.draft_sessions.close()
+        try:
+            while self._scoring:
+                self._scoring.popleft()
+                self.engines.guidance.result()
+            self.engines.guidance.call("close")
+        except RuntimeError:
+            pass
 
     def _draft_only(self, prompts: list[list[int]], rng: np.random.Generator):
         params = [
@@ -283,31 +285,32 @@ class VLLMRollout:
         )
         seqs = []
         for out in outputs:
-            comp = out.outputs[0]
-            lps = [_logprob_of(comp.logprobs, j, t) for j, t in enumerate(comp.token_ids)]
-            seqs.append(GuidedSequence(list(comp.token_ids), [False] * len(lps), lps, lps, True))
+            tokens, lps = sampled_log_probs(out.outputs[0])
+            seqs.append(GuidedSequence(tokens, [False] * len(lps), lps, lps, True))
         return seqs
 
     def _mix(self, prompts: list[list[int]], n: int, rng: np.random.Generator):
+        """The first `mix_num_samples` of each prompt's n samples from the guidance (its process
+        samples them while the draft engine samples the rest here), the others from the draft."""
         k = self.config.offpolicy_guidance.mix_num_samples
-        from_guidance = [i % n < k for i in range(len(prompts))]
+        seeds = rng.integers(0, 2**31, len(prompts))
+        rows = {g: [i for i in range(len(prompts)) if (i % n < k) == g] for g in (True, False)}
         seqs: list = [None] * len(prompts)
-        for use_guidance, engine in ((False, self.engines.draft), (True, self.engines.guidance)):
-            idx = [i for i, g in enumerate(from_guidance) if g == use_guidance]
-            if not idx:
-                continue
-            processing = self._guidance_processing() if use_guidance else {}
-            params = [self._draft_params(self._max_tokens, 1, int(s), **processing)
-                      for s in rng.integers(0, 2**31, len(idx))]  # fmt: skip
-            outputs = engine.generate(
-                [{"prompt_token_ids": prompts[i]} for i in idx], params, use_tqdm=False
+        if rows[True]:
+            params = [self._sampling_kwargs(self._max_tokens, 1, int(seeds[i]), **self._guidance_processing())
+                      for i in rows[True]]  # fmt: skip
+            self.engines.guidance.submit("generate", [prompts[i] for i in rows[True]], params)
+        if rows[False]:
+            params = [self._draft_params(self._max_tokens, 1, int(seeds[i])) for i in rows[False]]
+            outputs = self.engines.draft.generate(
+                [{"prompt_token_ids": prompts[i]} for i in rows[False]], params, use_tqdm=False
             )
-            for i, out in zip(idx, outputs, strict=True):
-                comp = out.outputs[0]
-                lps = [_logprob_of(comp.logprobs, j, t) for j, t in enumerate(comp.token_ids)]
-                seqs[i] = GuidedSequence(
-                    list(comp.token_ids), [use_guidance] * len(lps), lps, lps, True
-                )
+            for i, out in zip(rows[False], outputs, strict=True):
+                tokens, lps = sampled_log_probs(out.outputs[0])
+                seqs[i] = GuidedSequence(tokens, [False] * len(lps), lps, lps, True)
+        if rows[True]:
+            for i, (tokens, lps) in zip(rows[True], self.engines.guidance.result(), strict=True):
+                seqs[i] = GuidedSequence(tokens, [True] * len(lps), lps, lps, True)
         return seqs
 
     def _to_dataproto(
@@ -350,6 +353,84 @@ class VLLMRollout:
             tensors.update(offpolicy_mask=off & resp_mask.bool(), guidance_log_probs=guide_filled,
                            guidance_missing_mask=missing, behavior_log_probs=behavior.clamp(min=LOG_PROB_FLOOR) * resp_mask)  # fmt: skip
         return DataProto.from_dict(tensors)
+
+
+@dataclass
+class _Scorer:
+    """The guidance process as `speculative.AsyncScorer`."""
+
+    submit: Callable
+    ready: Callable[[], bool]
+    collect: Callable[[], torch.Tensor]
+
+
+class _DraftRounds:
+    """The draft engine's sessions as `speculative.DraftStepper`: rounds of several batches
+    share engine steps; a round is returned once all its sequences finished proposing."""
+
+    def __init__(
+        self, sessions: SessionEngine, vocab: int, prefix: str, new_params: Callable
+    ) -> None:
+        self.sessions, self.vocab, self.prefix, self.new_params = (
+            sessions,
+            vocab,
+            prefix,
+            new_params,
+        )
+        self.rounds: dict[
+            int, tuple[list[str], list[int], dict]
+        ] = {}  # key -> sids, budget, outputs
+        self.owner: dict[str, int] = {}  # running session id -> its round's key
+
+    def start(self, key: int, ids: list[int], prefixes: list[list[int]], budget: list[int]) -> None:
+        sids = [f"{self.prefix}{i}" for i in ids]
+        index = dict(zip(sids, ids, strict=True))
+        self.sessions.add([(sid, prefix, b, None) for sid, prefix, b in zip(sids, prefixes, budget, strict=True)],
+                          lambda sid, max_tokens: self.new_params(index[sid], max_tokens))  # fmt: skip
+        self.rounds[key] = (sids, budget, {})
+        self.owner.update(dict.fromkeys(sids, key))
+
+    @property
+    def busy(self) -> bool:
+        return self.sessions.busy
+
+    def step(self) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        done = []
+        for sid, out in self.sessions.step().items():
+            key = self.owner.pop(sid)
+            sids, budget, outputs = self.rounds[key]
+            outputs[sid] = out
+            if len(outputs) == len(sids):
+                del self.rounds[key]
+                done.append((key, *draft_tables([outputs[s] for s in sids], budget, self.vocab)))
+        return done
+
+
+def draft_tables(outs: list, budget: list[int], vocab: int):
+    """Proposals (B, k) with -1 padding, their number (B,) and dense p tables (B, k, V) from the
+    draft sessions' chunk outputs (top-K processed log-probs of every sampled position)."""
+    num = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.long)
+    rows = dense_rows(torch.from_numpy(np.concatenate([np.stack(o.logprob_ids) for o in outs])),
+                      torch.from_numpy(np.concatenate([np.stack(o.logprobs) for o in outs])), vocab)  # fmt: skip
+    valid = torch.arange(max(budget)) < num.unsqueeze(-1)
+    proposals = torch.full(valid.shape, -1, dtype=torch.long)
+    proposals[valid] = torch.tensor([t for o in outs for t in o.token_ids], dtype=torch.long)
+    tables = torch.full((*valid.shape, vocab), float("-inf"), dtype=torch.float64)
+    tables[valid] = rows
+    return proposals, num, tables
+
+
+def split_cpu_threads() -> dict[str, str]:
+    """CPU only: give the draft (this process) and the guidance process half the cores each, so
+    the two engines never oversubscribe the machine while they overlap. Returns the guidance
+    process's environment additions (its OMP_NUM_THREADS); nothing on a GPU machine."""
+    if torch.cuda.is_available():
+        return {}
+    cores = len(os.sched_getaffinity(0))
+    guidance = max(1, cores // 2)
+    # torch._C's setter: vLLM replaces torch.set_num_threads by a no-op once an engine started here
+    torch._C.set_num_threads(max(1, cores - guidance))
+    return {"OMP_NUM_THREADS": str(guidance)}
 
 
 def _unpad_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:

@@ -39,7 +39,8 @@ class SessionEngine:
     """Sessions on an `vllm.LLM` built with `enable_prefix_caching=False`.
 
     `run` adds one chunk per session (a new session starts from its tokens; an open one is
-    rewound to them) and steps the engine until every chunk stopped. `close` frees sessions.
+    rewound to them) and steps the engine until every chunk stopped; `add` and `step` do the
+    same one engine step at a time, so chunks can join while others run. `close` frees sessions.
     `tokens_computed` counts every token the engine ran (prompt and decode).
     """
 
@@ -52,6 +53,8 @@ class SessionEngine:
             raise ValueError("SessionEngine needs an engine built with enable_prefix_caching=False")
         self._tasks = self._engine.get_supported_tasks()
         self._open: dict[str, object] = {}  # session id -> its first (processed) request
+        self._running: dict[str, ChunkOutput] = {}  # session id -> its running chunk's output
+        self._idle = 0  # engine steps in a row without output
         self.tokens_computed = 0
         schedule = core.scheduler.schedule
 
@@ -81,16 +84,29 @@ class SessionEngine:
         chunks: list[tuple[str, list[int], int, int | None]],
         new_params: Callable[[str, int], object],
     ) -> dict[str, ChunkOutput]:
-        """Run one chunk per session and wait for all of them.
+        """Run one chunk per session and wait for all of them (`add`, then `step` until done).
 
         chunks: (session id, whole token sequence, max_tokens, recompute_from or None). A new
         session gets `new_params(session id, max_tokens)` (vLLM's SamplingParams); an open one
         keeps its first chunk's parameters with the new `max_tokens`.
         """
+        self.add(chunks, new_params)
+        results = {}
+        while len(results) < len(chunks):
+            results.update(self.step())
+        return results
+
+    def add(
+        self,
+        chunks: list[tuple[str, list[int], int, int | None]],
+        new_params: Callable[[str, int], object],
+    ) -> None:
+        """Queue one chunk per session (as in `run`); they join the engine's next step."""
         from vllm.inputs import TokensPrompt
 
-        results = {sid: ChunkOutput() for sid, *_ in chunks}
         for sid, tokens, max_tokens, recompute_from in chunks:
+            if sid in self._running:
+                raise RuntimeError(f"session {sid} already has a chunk running")
             first = self._open.get(sid)
             if first is None:  # a new session: vLLM validates and completes the parameters
                 request = self._engine.input_processor.process_inputs(
@@ -101,28 +117,36 @@ class SessionEngine:
             else:  # a rewind: the first chunk's processed request with new tokens and limits
                 request = _rewind_request(first, tokens, max_tokens, recompute_from)
             self._client.add_request(request)
-        pending, idle = set(results), 0
-        while pending:
-            outputs = self._client.get_output().outputs
-            idle = 0 if outputs else idle + 1
-            if idle > 100:
-                raise RuntimeError(
-                    f"vLLM made no progress on {len(pending)} sessions (e.g. {min(pending)}): more "
-                    "sessions than its KV cache holds? (see SessionEngine.capacity)"
-                )
-            for out in outputs:
-                if out.request_id not in pending:
-                    continue
-                result = results[out.request_id]
-                result.token_ids.extend(out.new_token_ids)
-                if out.new_logprobs is not None:
-                    result.logprob_ids.extend(out.new_logprobs.logprob_token_ids)
-                    result.logprobs.extend(out.new_logprobs.logprobs)
-                if out.new_prompt_logprobs_tensors is not None:
-                    result.prompt_logprobs = out.new_prompt_logprobs_tensors
-                if out.finish_reason is not None:
-                    pending.discard(out.request_id)
-        return results
+            self._running[sid] = ChunkOutput()
+
+    @property
+    def busy(self) -> bool:
+        """Some chunk is still running."""
+        return bool(self._running)
+
+    def step(self) -> dict[str, ChunkOutput]:
+        """One engine step; returns the chunks that finished in it, by session id."""
+        outputs = self._client.get_output().outputs
+        self._idle = 0 if outputs else self._idle + 1
+        if self._idle > 100:
+            raise RuntimeError(
+                f"vLLM made no progress on {len(self._running)} sessions (e.g. {min(self._running)}): "
+                "more sessions than its KV cache holds? (see SessionEngine.capacity)"
+            )
+        finished = {}
+        for out in outputs:
+            result = self._running.get(out.request_id)
+            if result is None:
+                continue
+            result.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs is not None:
+                result.logprob_ids.extend(out.new_logprobs.logprob_token_ids)
+                result.logprobs.extend(out.new_logprobs.logprobs)
+            if out.new_prompt_logprobs_tensors is not None:
+                result.prompt_logprobs = out.new_prompt_logprobs_tensors
+            if out.finish_reason is not None:
+                finished[out.request_id] = self._running.pop(out.request_id)
+        return finished
 
     def close(self, session_ids=None) -> None:
         """Free sessions (all open ones by default) and their KV cache."""
@@ -131,6 +155,7 @@ class SessionEngine:
             self._client.abort_requests(ids)
             for sid in ids:
                 del self._open[sid]
+                self._running.pop(sid, None)
 
 
 def _rewind_request(first, tokens: list[int], max_tokens: int, recompute_from: int | None):
@@ -159,3 +184,18 @@ def dense_rows(
         )
     rows = torch.full((ids.shape[0], vocab), float("-inf"), dtype=dtype)
     return rows.scatter_(1, ids.long(), values.to(dtype))
+
+
+def sampled_log_probs(completion) -> tuple[list[int], list[float]]:
+    """Token ids of a vLLM completion and the log-prob reported for each (the sampled token is
+    always listed; flat or per-position dict logprobs)."""
+    tokens, logprobs = list(completion.token_ids), completion.logprobs
+    values = []
+    for pos, token in enumerate(tokens):
+        if hasattr(logprobs, "start_indices"):  # FlatLogprobs: a constant number of Python objects
+            start, end = logprobs.start_indices[pos], logprobs.end_indices[pos]
+            ids, lps = logprobs.token_ids[start:end], logprobs.logprobs[start:end]
+        else:
+            ids, lps = list(logprobs[pos].keys()), [e.logprob for e in logprobs[pos].values()]
+        values.append(lps[ids.index(token)])
+    return tokens, values

@@ -1,4 +1,4 @@
-"""The rollout as a Ray actor: owns the vLLM engines (draft, and guidance when enabled)."""
+"""The rollout as a Ray actor: owns the vLLM engines (draft here; guidance, when enabled, in a child process)."""
 
 from __future__ import annotations
 
@@ -39,3 +39,7 @@ class RolloutWorker:
     def sync_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load the actor's current weights into the draft engine."""
         self.rollout.sync_weights(state_dict)
+
+    def shutdown(self) -> None:
+        """Stop the guidance engine's process (it also exits on its own if this actor dies)."""
+        self.rollout.shutdown()

