@@ -376,6 +376,11 @@ ERROR_CASES = [
     ("lam_above_1", [f"{GUIDANCE}.lam=1.5"], [f"{GUIDANCE}.lam=1.5", "[0.0, 1.0]"]),
     ("lam_below_0", [f"{GUIDANCE}.lam=-0.1"], [f"{GUIDANCE}.lam=-0.1", "[0.0, 1.0]"]),
     (
+        "no_pipeline_group",
+        [f"{GUIDANCE}.pipeline_groups=0"],
+        [f"{GUIDANCE}.pipeline_groups=0", "[1, inf]"],
+    ),
+    (
         "mix_num_samples_above_n",
         ["worker.rollout.n=4", f"{GUIDANCE}.mix_num_samples=5"],
         [f"{GUIDANCE}.mix_num_samples=5", "[0, 4]"],

@@ -39,9 +39,8 @@ class OffPolicyGuidanceConfig:
     """Steps over which λ moves from `lam` to `lam_end` (None: the whole run)."""
     num_speculative_tokens: int = 4
     """Draft tokens proposed per round before the guidance scores them."""
-    pipeline_groups: int = 2
-    """Speculative mode: groups the batch is split into, so the guidance (its own process) scores
-    one group while the draft proposes for the next; 1 alternates the engines on the whole batch."""
+    pipeline_groups: int = 4
+    """Speculative mode: staggered groups of the batch, so the guidance scores some while the draft steps others."""
     mix_num_samples: int = 1
     """Mix mode: responses per prompt generated entirely by the guidance."""
     behavior: str = "exact"
