@@ -209,7 +209,8 @@ class VLLMRollout:
         if not guidance.enable or not meta.get(
             "guidance", True
         ):  # e.g. validation: the draft alone
-            seqs, stats, lam = self._draft_only(repeated, rng), None, 0.0
+            seeds = rng.integers(0, 2**31, len(repeated))
+            seqs, stats, lam = self._draft_only(repeated, seeds), None, 0.0
         else:
             lam = float(meta["lam"]) if "lam" in meta else lam_at_step(
                 int(meta.get("global_step", 0)), int(meta.get("total_steps", 1) or 1),
@@ -275,19 +276,13 @@ class VLLMRollout:
         except RuntimeError:
             pass
 
-    def _draft_only(self, prompts: list[list[int]], rng: np.random.Generator):
-        params = [
-            self._draft_params(self._max_tokens, 1, int(s))
-            for s in rng.integers(0, 2**31, len(prompts))
-        ]
+    def _draft_only(self, prompts: list[list[int]], seeds) -> list[GuidedSequence]:
+        """Whole responses from the draft engine, one seed per prompt."""
+        params = [self._draft_params(self._max_tokens, 1, int(s)) for s in seeds]
         outputs = self.engines.draft.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
         )
-        seqs = []
-        for out in outputs:
-            tokens, lps = sampled_log_probs(out.outputs[0])
-            seqs.append(GuidedSequence(tokens, [False] * len(lps), lps, lps, True))
-        return seqs
+        return [_whole_response(*sampled_log_probs(out.outputs[0]), False) for out in outputs]
 
     def _mix(self, prompts: list[list[int]], n: int, rng: np.random.Generator):
         """The first `mix_num_samples` of each prompt's n samples from the guidance (its process
@@ -301,16 +296,12 @@ class VLLMRollout:
                       for i in rows[True]]  # fmt: skip
             self.engines.guidance.submit("generate", [prompts[i] for i in rows[True]], params)
         if rows[False]:
-            params = [self._draft_params(self._max_tokens, 1, int(seeds[i])) for i in rows[False]]
-            outputs = self.engines.draft.generate(
-                [{"prompt_token_ids": prompts[i]} for i in rows[False]], params, use_tqdm=False
-            )
-            for i, out in zip(rows[False], outputs, strict=True):
-                tokens, lps = sampled_log_probs(out.outputs[0])
-                seqs[i] = GuidedSequence(tokens, [False] * len(lps), lps, lps, True)
+            draft = self._draft_only([prompts[i] for i in rows[False]], seeds[rows[False]])
+            for i, seq in zip(rows[False], draft, strict=True):
+                seqs[i] = seq
         if rows[True]:
             for i, (tokens, lps) in zip(rows[True], self.engines.guidance.result(), strict=True):
-                seqs[i] = GuidedSequence(tokens, [True] * len(lps), lps, lps, True)
+                seqs[i] = _whole_response(tokens, lps, True)
         return seqs
 
     def _to_dataproto(
@@ -431,6 +422,13 @@ def split_cpu_threads() -> dict[str, str]:
     # torch._C's setter: vLLM replaces torch.set_num_threads by a no-op once an engine started here
     torch._C.set_num_threads(max(1, cores - guidance))
     return {"OMP_NUM_THREADS": str(guidance)}
+
+
+def _whole_response(
+    tokens: list[int], log_probs: list[float], from_guidance: bool
+) -> GuidedSequence:
+    """A response sampled whole by one engine: its own log-probs stand for both models'."""
+    return GuidedSequence(tokens, [from_guidance] * len(tokens), log_probs, log_probs, True)
 
 
 def _unpad_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
