@@ -121,6 +121,16 @@ def test_rewind_scores_only_new_tokens_and_matches_a_fresh_request(engine, sessi
     torch.testing.assert_close(session_rows(third, 46, 2), expected, rtol=0, atol=1e-6)
 
 
+def test_a_session_never_changes_the_callers_token_list(sessions):
+    """vLLM extends a session's prompt list in place when the session resumes; the list the
+    caller passed for the first chunk (e.g. a prefix it still has to send to the guidance) must
+    stay as it was. (Aliasing it once corrupted the guidance's scores of a round.)"""
+    tokens = [*PROMPT, 50, 51]
+    sessions.run([("s", tokens, 2, None)], new_params)
+    sessions.run([("s", [*PROMPT, 50, 51, 60, 61], 1, len(PROMPT) + 1)], new_params)
+    assert tokens == [*PROMPT, 50, 51]
+
+
 def test_patch_is_needed_for_rewind_and_resumed_prompt_logprobs(engine, sessions):
     from verl_patches import vllm_session_rewind
 

@@ -109,8 +109,9 @@ class SessionEngine:
                 raise RuntimeError(f"session {sid} already has a chunk running")
             first = self._open.get(sid)
             if first is None:  # a new session: vLLM validates and completes the parameters
+                # a copy: vLLM extends the request's token list in place as the session goes on
                 request = self._engine.input_processor.process_inputs(
-                    sid, TokensPrompt(prompt_token_ids=tokens), new_params(sid, max_tokens),
+                    sid, TokensPrompt(prompt_token_ids=list(tokens)), new_params(sid, max_tokens),
                     supported_tasks=self._tasks, resumable=True,
                 )  # fmt: skip
                 self._open[sid] = request
