@@ -47,12 +47,7 @@ def rollout(draft: str, guidance: str | None, args: argparse.Namespace, k: int, 
         "float32",
         0.03,
     )
-    g.logprobs, g.num_speculative_tokens, g.lam, g.pipeline_groups = (
-        args.logprobs,
-        k,
-        0.5,
-        args.groups,
-    )
+    g.logprobs, g.num_speculative_tokens, g.lam = args.logprobs, k, 0.5
     return VLLMRollout(draft, cfg, tok.eos_token_id, tok.pad_token_id)
 
 
@@ -63,11 +58,12 @@ def prompts(tok, count: int, length: int) -> DataProto:
                                meta_info={"ignore_eos": True, "lam": 0.5})  # fmt: skip
 
 
-def timed(engine: VLLMRollout, batch: DataProto) -> tuple[float, DataProto]:
+def timed(engine: VLLMRollout, batch: DataProto, groups: int = 1) -> tuple[float, DataProto]:
     if engine.engines.guidance is None:  # the threads each setting has in a process of its own
         torch._C.set_num_threads(DEFAULT_THREADS)
     else:
         split_cpu_threads()
+        engine.config.offpolicy_guidance.pipeline_groups = groups
     start = time.perf_counter()
     out = engine.generate_sequences(batch)
     return time.perf_counter() - start, out
@@ -83,8 +79,8 @@ def main() -> None:
     parser.add_argument("--k", default="4,6", help="num_speculative_tokens values, comma-separated")
     parser.add_argument("--logprobs", type=int, default=20, help="top-K log-probs per position")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--groups", type=int, default=OffPolicyGuidanceConfig.pipeline_groups,
-                        help="offpolicy_guidance.pipeline_groups")  # fmt: skip
+    parser.add_argument("--groups", default=str(OffPolicyGuidanceConfig.pipeline_groups),
+                        help="offpolicy_guidance.pipeline_groups values, comma-separated")  # fmt: skip
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -97,33 +93,35 @@ def main() -> None:
     )
     tok = AutoTokenizer.from_pretrained(draft)
     batch = prompts(tok, args.prompts, args.prompt_len)
-    ks = [int(k) for k in args.k.split(",")]
-    engines = {"draft-only": rollout(draft, None, args, 1, tok)}
-    engines.update({f"guided k={k}": rollout(draft, guide, args, k, tok) for k in ks})
-    times: dict[str, list[float]] = {name: [] for name in engines}
+    ks, groups = [int(k) for k in args.k.split(",")], [int(g) for g in args.groups.split(",")]
+    runs = {"draft-only": (rollout(draft, None, args, 1, tok), 1)}
+    for k in ks:  # one engine pair per k; the number of groups is read at every call
+        engine = rollout(draft, guide, args, k, tok)
+        runs.update({f"guided k={k} g={g}": (engine, g) for g in groups})
+    times: dict[str, list[float]] = {name: [] for name in runs}
     meta = {}
     for _ in range(2):  # warm-up: torch.compile'd helpers specialise on the first shapes they see
-        for engine in engines.values():
-            timed(engine, batch)
+        for engine, g in runs.values():
+            timed(engine, batch, g)
     for _ in range(args.repeats):
-        for name, engine in engines.items():
-            seconds, out = timed(engine, batch)
+        for name, (engine, g) in runs.items():
+            seconds, out = timed(engine, batch, g)
             times[name].append(seconds)
             meta[name] = out.meta_info
             assert int(out.batch["response_mask"].sum()) == args.prompts * args.response
     base = statistics.median(times["draft-only"])
     print(f"torch {torch.__version__}, {args.prompts} prompts x {args.prompt_len} tokens, {args.response} new tokens, "
-          f"top-{args.logprobs} log-probs, λ=0.5, {args.groups} pipeline groups, {os.cpu_count()} cores")  # fmt: skip
+          f"top-{args.logprobs} log-probs, λ=0.5, {os.cpu_count()} cores; g = pipeline_groups")  # fmt: skip
     for name, t in times.items():
         m = meta[name]
         extra = ""
         if "guidance_tokens_per_emitted" in m:
             extra = f"  guidance tokens/emitted {m['guidance_tokens_per_emitted']:.2f}  accept {m['accept_rate']:.2f}  rounds {m['rounds']}"
         print(
-            f"{name:20s} median {statistics.median(t):7.2f} s  ({', '.join(f'{x:.2f}' for x in t)}){extra}"
+            f"{name:22s} median {statistics.median(t):7.2f} s  ({', '.join(f'{x:.2f}' for x in t)}){extra}"
         )
     print("\n=== summary (ratios from one run) ===")
-    for name in (f"guided k={k}" for k in ks):
+    for name in (name for name in runs if name != "draft-only"):
         ratio = statistics.median(times[name]) / base
         print(
             f"{name}: wall time {ratio:.2f}x draft-only (goal <= 2.0); "
