@@ -3,7 +3,7 @@
 The rollout keeps the draft engine in-process (weights are synced into it every step) and starts
 the guidance engine here, in a child process (`python -m verl.workers.rollout.guidance_server`)
 that talks over a private socket pair: the guidance scores one group of sequences while the
-draft proposes the next group's tokens (`speculative.pipelined_generate`). On a 2-core CPU the
+draft proposes the next group's tokens (`speculative.overlapped_generate`). On a 2-core CPU the
 two engines then run on both cores; on a GPU the guidance's kernels overlap the draft's
 scheduling overhead, each engine can use sleep mode (one per process), and the guidance can
 have its own tensor-parallel width.
