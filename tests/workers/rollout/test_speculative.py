@@ -12,6 +12,7 @@ from scipy.stats import chisquare
 from verl.trainer.core_algos.guidance import mixture_log_probs
 from verl.workers.rollout.speculative import (
     SpeculativeBatch,
+    TopK,
     overlapped_generate,
     process_log_probs,
     speculative_generate,
@@ -99,6 +100,63 @@ def test_offpolicy_marks_exactly_the_residual_token():
     good = verify_proposals(torch.tensor([[2, 3]]).expand(n, 2), torch.full((n,), 2),
                             p.clamp(min=1e-9).log().expand(n, 2, 5), q.log().expand(n, 2, 5), 0.7)  # fmt: skip
     assert torch.all(good.num_accepted == 2) and not good.offpolicy.any()
+
+
+def test_topk_dedupe_lookup_and_tail_mass_hand_values():
+    # vLLM lists the sampled token first and again inside the top-K: token 3 appears twice
+    ids = torch.tensor([[[3, 1, 3, 0]]])
+    lps = torch.tensor([[[0.2, 0.5, 0.2, 0.1]]], dtype=D).log()
+    table = TopK.dedupe(ids, lps)
+    assert table.log_probs[0, 0, 2] == float("-inf") and table.log_probs[0, 0, 0] == lps[0, 0, 0]
+    found = table.lookup(torch.tensor([[[3, 1, 2]]])).exp()  # token 2 is not listed: p = 0
+    torch.testing.assert_close(found, torch.tensor([[[0.2, 0.5, 0.0]]], dtype=D))
+    # listed mass 0.2 + 0.5 + 0.1 = 0.8 (the repeat counts once): tail 0.2
+    torch.testing.assert_close(table.tail_mass(), torch.tensor([[0.2]], dtype=D))
+
+
+def _listed(probs: torch.Tensor, first: torch.Tensor, top: int) -> TopK:
+    """What an engine reports at one position per row: the given token, then the `top` most
+    likely tokens (the given one may repeat), with their unnormalised log-probs."""
+    best = probs.topk(top).indices.expand(first.shape[0], top)
+    ids = torch.cat([first.unsqueeze(-1), best], dim=-1).unsqueeze(1)  # (n, 1, top + 1)
+    return TopK.dedupe(ids, probs.log()[ids])
+
+
+@pytest.mark.parametrize("lam", [0.5, 1.0])
+def test_topk_lists_emit_the_same_distribution_as_dense_tables(lam):
+    """Truncated lists (the proposal + top-2 of each model over V = 6) and the equal dense tables
+    (-inf where unlisted) accept the same proposals with the same uniforms, and the emitted token
+    follows the per-proposal mixture computed by hand from the dense tables (chi-square)."""
+    p = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], dtype=D)
+    q = torch.tensor([0.05, 0.1, 0.2, 0.3, 0.05, 0.3], dtype=D)
+    n = 40_000
+    x = torch.multinomial(p, n, replacement=True, generator=torch.Generator().manual_seed(5))
+    draft, guide = _listed(p, x, 2), _listed(q, x, 2)
+
+    def dense(table: TopK) -> torch.Tensor:  # (n, 1, 6): the listed log-prob of every token
+        return table.lookup(torch.arange(6).expand(n, 1, 6))
+
+    args = (x.unsqueeze(-1), torch.ones(n, dtype=torch.long))
+    sparse = verify_proposals(*args, draft, guide, lam, torch.Generator().manual_seed(9))
+    full = verify_proposals(*args, dense(draft), dense(guide), lam, torch.Generator().manual_seed(9))
+    assert torch.equal(sparse.offpolicy, full.offpolicy) and sparse.offpolicy.any()
+    accepted = ~sparse.offpolicy[:, 0]
+    assert torch.equal(sparse.tokens[accepted], full.tokens[accepted])
+    # emitted(y) = sum_x p(x) [a(x) 1{y = x} + (1 - a(x)) r_x(y)], with a(x) = min(1, 1-λ + λ q/p)
+    # and r_x ∝ max(0, q̃_x - p̃_x), where p̃_x, q̃_x are the tables listed when x was proposed
+    expected = torch.zeros(6, dtype=D)
+    for token in range(6):
+        p_row, q_row = dense(draft)[x == token][0, 0].exp(), dense(guide)[x == token][0, 0].exp()
+        accept = min(1.0, (1 - lam) + lam * q[token].item() / p[token].item())
+        residual = (q_row - p_row).clamp(min=0)
+        expected += p[token] * (accept * torch.eye(6, dtype=D)[token] + (1 - accept) * residual / residual.sum())
+    counts = torch.bincount(sparse.tokens[:, 0], minlength=6).to(D)
+    assert _chi2_ok(counts, expected) > 1e-3
+    # the residual token's recorded log-probs are its listed values (-inf when the draft did not list it)
+    off = sparse.offpolicy[:, 0]
+    torch.testing.assert_close(sparse.guidance_log_probs[off, 0], q.log()[sparse.tokens[off, 0]])
+    listed_p = draft.lookup(sparse.tokens.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(sparse.draft_log_probs[off, 0], listed_p[off, 0])
 
 
 # ---------------------------------------------------------------------------------------- loop

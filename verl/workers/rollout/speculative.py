@@ -11,8 +11,9 @@ This is speculative sampling with target q_λ and proposal p, so every emitted t
 sample of q_λ given its prefix (Leviathan et al., https://arxiv.org/abs/2211.17192). No bonus
 token is drawn after a fully accepted round; the next round continues from the new prefix.
 
-This module imports neither vLLM nor torch.distributed: it works on token ids and (B, k, V)
-log-prob tables, so it is tested exactly on CPU with toy models. The engine driver feeds it.
+This module imports neither vLLM nor torch.distributed: it works on token ids and log-prob
+tables (dense (B, k, V), or the engines' top-K lists as `TopK`), so it is tested exactly on
+CPU with toy models. The engine driver feeds it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,69 @@ def process_log_probs(
 
 
 @dataclass
+class TopK:
+    """Log-prob tables as listed tokens: `ids` (B, k, K) token ids and `log_probs` (B, k, K).
+
+    A token not listed has probability 0 (log -inf). What vLLM reports per position (the sampled
+    or prompt token, then the top-K) has this shape. `ids=None` is a dense table (B, k, V) that
+    lists every token in id order (`TopK.dense`). Entries must not repeat a token with a finite
+    log-prob (`dedupe`).
+    """
+
+    ids: torch.Tensor | None
+    log_probs: torch.Tensor
+
+    @classmethod
+    def dense(cls, tables: torch.Tensor) -> TopK:
+        """A dense table (..., V): every token listed."""
+        return cls(None, tables)
+
+    @classmethod
+    def dedupe(cls, ids: torch.Tensor, log_probs: torch.Tensor) -> TopK:
+        """vLLM lists the sampled (or prompt) token first and again if it is in the top-K: keep
+        each token's first entry, give the repeats log-prob -inf."""
+        same = ids.unsqueeze(-1) == ids.unsqueeze(-2)  # (..., K, K)
+        earlier = torch.ones(ids.shape[-1], ids.shape[-1], dtype=torch.bool, device=ids.device)
+        repeat = (same & earlier.tril(-1)).any(-1)
+        return cls(ids, log_probs.masked_fill(repeat, NEG_INF))
+
+    def listed(self) -> torch.Tensor:
+        """(B, k, K) token ids of the entries (arange(V) for a dense table)."""
+        if self.ids is not None:
+            return self.ids
+        vocab = torch.arange(self.log_probs.shape[-1], device=self.log_probs.device)
+        return vocab.expand(self.log_probs.shape)
+
+    def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
+        """log-prob of `tokens` (B, k, M) at each position (B, k): (B, k, M), -inf if unlisted
+        (or negative, i.e. padding)."""
+        if self.ids is None:
+            found = self.log_probs.gather(-1, tokens.clamp(min=0))
+            return found.masked_fill(tokens < 0, NEG_INF)
+        hit = tokens.unsqueeze(-1) == self.ids.unsqueeze(-2)  # (B, k, M, K)
+        values = self.log_probs.unsqueeze(-2).expand(hit.shape)
+        return torch.where(hit, values, NEG_INF).amax(-1)
+
+    def at(self, rows: torch.Tensor, pos: torch.Tensor) -> TopK:
+        """The tables of positions (rows[i], pos[i]) as a (R, 1, K) `TopK`."""
+        ids = None if self.ids is None else self.ids[rows, pos].unsqueeze(1)
+        return TopK(ids, self.log_probs[rows, pos].unsqueeze(1))
+
+    def processed(self, **processing) -> TopK:
+        """`process_log_probs` over the listed tokens (renormalised over them)."""
+        return TopK(self.ids, process_log_probs(self.log_probs, **processing))
+
+    def tail_mass(self) -> torch.Tensor:
+        """(B, k) probability mass not listed: 1 - sum of the listed probabilities, >= 0."""
+        return (1.0 - self.log_probs.exp().sum(-1)).clamp(min=0.0)
+
+
+def as_topk(tables: torch.Tensor | TopK) -> TopK:
+    """Accept a dense (B, k, V) table or a `TopK`."""
+    return tables if isinstance(tables, TopK) else TopK.dense(tables)
+
+
+@dataclass
 class VerifyResult:
     """What one round emits, per sequence (tensors padded to k)."""
 
@@ -71,26 +135,28 @@ class VerifyResult:
 def verify_proposals(
     proposals: torch.Tensor,
     num_proposed: torch.Tensor,
-    draft_log_probs: torch.Tensor,
-    guidance_log_probs: torch.Tensor,
+    draft_log_probs: torch.Tensor | TopK,
+    guidance_log_probs: torch.Tensor | TopK,
     lam: float,
     generator: torch.Generator | None = None,
 ) -> VerifyResult:
     """Accept / reject a batch of proposals so the emitted tokens follow q_λ = (1-λ)p + λq.
 
-    Shapes: proposals (B, k) long, num_proposed (B,), draft/guidance log-probs (B, k, V) of the
-    processed distributions at each proposal position. Returns a `VerifyResult`.
+    Shapes: proposals (B, k) long, num_proposed (B,); the processed draft / guidance log-probs at
+    each proposal position as dense (B, k, V) tables or `TopK` lists (B, k, K): a token not
+    listed has probability 0, so the residual max(0, q - p) is drawn among the guidance's listed
+    tokens. Returns a `VerifyResult`.
     Paper: https://arxiv.org/abs/2211.17192 (speculative sampling, exact for any target).
     """
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"lam must lie in [0, 1], got {lam}")
+    p, q = as_topk(draft_log_probs), as_topk(guidance_log_probs)
     batch, k = proposals.shape
     device = proposals.device
-    idx = proposals.clamp(min=0).unsqueeze(-1)
-    log_p_x = draft_log_probs.gather(-1, idx).squeeze(-1)
-    log_q_x = guidance_log_probs.gather(-1, idx).squeeze(-1)
+    log_p_x = p.lookup(proposals.unsqueeze(-1)).squeeze(-1)
+    log_q_x = q.lookup(proposals.unsqueeze(-1)).squeeze(-1)
     ratio = (1.0 - lam) + lam * torch.exp(log_q_x - log_p_x)
-    uniform = torch.rand(batch, k, generator=generator, device=device, dtype=draft_log_probs.dtype)
+    uniform = torch.rand(batch, k, generator=generator, device=device, dtype=p.log_probs.dtype)
     proposed = torch.arange(k, device=device).unsqueeze(0) < num_proposed.unsqueeze(-1)
     rejected = proposed & (uniform >= ratio.clamp(max=1.0))
     has_reject = rejected.any(dim=-1)
@@ -100,27 +166,30 @@ def verify_proposals(
 
     tokens = torch.where(torch.arange(k, device=device) < num_accepted.unsqueeze(-1), proposals, -1)
     offpolicy = torch.zeros(batch, k, dtype=torch.bool, device=device)
+    log_p_emitted, log_q_emitted = log_p_x.clone(), log_q_x.clone()
     rows = has_reject.nonzero().squeeze(-1)
     if rows.numel():
         pos = first_reject[rows]
-        q = guidance_log_probs[rows, pos].exp()
-        p = draft_log_probs[rows, pos].exp()
-        residual = (q - p).clamp(min=0.0)
+        q_at = q.at(rows, pos)
+        candidates = q_at.listed()  # (R, 1, K): only tokens with q > 0 can have q > p
+        p_c = p.at(rows, pos).lookup(candidates).squeeze(1)
+        candidates, q_c = candidates.squeeze(1), q_at.log_probs.squeeze(1)
+        residual = (q_c.exp() - p_c.exp()).clamp(min=0.0)
         empty = residual.sum(-1, keepdim=True) <= 0  # only reachable through rounding: use q
-        residual = torch.where(empty, q, residual)
-        tokens[rows, pos] = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+        residual = torch.where(empty, q_c.exp(), residual)
+        pick = torch.multinomial(residual, 1, generator=generator)
+        tokens[rows, pos] = candidates.gather(-1, pick).squeeze(-1)
+        log_p_emitted[rows, pos] = p_c.gather(-1, pick).squeeze(-1)
+        log_q_emitted[rows, pos] = q_c.gather(-1, pick).squeeze(-1)
         offpolicy[rows, pos] = True
-    emitted = tokens.clamp(min=0).unsqueeze(-1)
     valid = tokens >= 0
     return VerifyResult(
         tokens=tokens,
         num_emitted=num_emitted,
         num_accepted=num_accepted,
         offpolicy=offpolicy,
-        draft_log_probs=torch.where(valid, draft_log_probs.gather(-1, emitted).squeeze(-1), 0.0),
-        guidance_log_probs=torch.where(
-            valid, guidance_log_probs.gather(-1, emitted).squeeze(-1), 0.0
-        ),
+        draft_log_probs=torch.where(valid, log_p_emitted, 0.0),
+        guidance_log_probs=torch.where(valid, log_q_emitted, 0.0),
     )
 
 
@@ -213,8 +282,8 @@ class SpeculativeBatch:
         self,
         proposals: torch.Tensor,
         num_proposed: torch.Tensor,
-        draft_tables: torch.Tensor,
-        guidance_tables: torch.Tensor,
+        draft_tables: torch.Tensor | TopK,
+        guidance_tables: torch.Tensor | TopK,
     ) -> None:
         """Verify the round that `next_round()` opened (tensors as in `verify_proposals`, one row
         per active sequence) and append what it emits to the sequences."""
@@ -260,8 +329,8 @@ def speculative_generate(
     """Generate responses whose tokens follow q_λ, round by round, for a batch of prompts.
 
     `propose(ids, prefixes, n)` returns (proposals (B, k) with -1 padding, num_proposed (B,),
-    draft log-prob tables (B, k, V)): up to n[b] draft tokens per prefix, stopping after EOS.
-    `score(ids, prefixes, proposals, num_proposed)` returns the guidance tables (B, k, V) at the
+    draft log-prob tables (B, k, V) or `TopK`): up to n[b] draft tokens per prefix, stopping after EOS.
+    `score(ids, prefixes, proposals, num_proposed)` returns the guidance tables (B, k, V) or `TopK` at the
     same positions. Both get only the still-active sequences, with `ids` their indices in
     `prompts` (engines keep per-sequence state). Stops at EOS or `max_new_tokens`.
     """
@@ -302,7 +371,7 @@ class AsyncScorer(Protocol):
         """The oldest submitted round's tables can be collected without waiting."""
 
     def collect(self) -> torch.Tensor:
-        """The guidance tables (B, k, V) of the oldest submitted round (waits if needed)."""
+        """The guidance tables (B, k, V) or `TopK` of the oldest submitted round (waits if needed)."""
 
 
 def overlapped_generate(

@@ -27,10 +27,10 @@ from verl.workers.rollout.speculative import (
     GuidedSequence,
     RoundStats,
     SpeculativeBatch,
+    TopK,
     overlapped_generate,
-    process_log_probs,
 )
-from verl.workers.rollout.vllm_sessions import SessionEngine, dense_rows, sampled_log_probs
+from verl.workers.rollout.vllm_sessions import SessionEngine, sampled_log_probs
 
 LOG_PROB_FLOOR = -1e4  # stands for log 0 in tensors handed to the trainer (never -inf)
 
@@ -164,16 +164,14 @@ class VLLMRollout:
         self._counters.submitted += sum(len(tokens) for _, tokens, *_ in chunks)
         self._scoring.append((proposals.shape[1], num))
 
-    def _collect_score(self) -> torch.Tensor:
-        """The guidance tables (B, k, V) of the oldest round submitted (processed like the draft's)."""
+    def _collect_score(self) -> TopK:
+        """The guidance's listed log-probs (B, k, K+1) of the oldest round submitted (processed
+        like the draft's)."""
         width, num = self._scoring.popleft()
         ids, values, computed = self.engines.guidance.result()
         self._counters.computed += computed
-        rows = dense_rows(torch.from_numpy(ids), torch.from_numpy(values), self.engines.vocab)
-        valid = torch.arange(width) < num.unsqueeze(-1)
-        tables = torch.full((*valid.shape, self.engines.vocab), float("-inf"), dtype=torch.float64)
-        tables[valid] = rows
-        self._counters.tail_mass.append((1.0 - tables.exp().sum(-1))[valid].clamp(min=0.0))
+        tables = topk_tables(ids, values, num, width)
+        self._counters.tail_mass.append(tables.tail_mass()[_valid(num, width)])
         processing = self._guidance_processing()
         if (
             processing["temperature"] == 1.0
@@ -182,7 +180,7 @@ class VLLMRollout:
         ):
             return tables  # raw = processed: exact for every listed token, even with top-K tables
         # with top-K tables the renormalisation over K tokens is approximate (tail mass reported)
-        return process_log_probs(tables, **processing)
+        return tables.processed(**processing)
 
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -248,7 +246,7 @@ class VLLMRollout:
             batches = [SpeculativeBatch([part[i] for i in g], lam, guidance.num_speculative_tokens, self._max_tokens, eos,
                                         torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=gen))),
                                         ids=g.tolist()) for g in groups]  # fmt: skip
-            draft = _DraftRounds(self.draft_sessions, self.engines.vocab, f"d{self._call}-",
+            draft = _DraftRounds(self.draft_sessions, f"d{self._call}-",
                                  lambda i, m, seeds=seeds: self._draft_params(m, self.num_logprobs, int(seeds[i])))  # fmt: skip
             scorer = _Scorer(self._submit_score, self.engines.guidance.ready, self._collect_score)
             stagger = -(-guidance.num_speculative_tokens // len(batches))  # spread over one round
@@ -352,22 +350,15 @@ class _Scorer:
 
     submit: Callable
     ready: Callable[[], bool]
-    collect: Callable[[], torch.Tensor]
+    collect: Callable[[], TopK]
 
 
 class _DraftRounds:
     """The draft engine's sessions as `speculative.DraftStepper`: rounds of several batches
     share engine steps; a round is returned once all its sequences finished proposing."""
 
-    def __init__(
-        self, sessions: SessionEngine, vocab: int, prefix: str, new_params: Callable
-    ) -> None:
-        self.sessions, self.vocab, self.prefix, self.new_params = (
-            sessions,
-            vocab,
-            prefix,
-            new_params,
-        )
+    def __init__(self, sessions: SessionEngine, prefix: str, new_params: Callable) -> None:
+        self.sessions, self.prefix, self.new_params = sessions, prefix, new_params
         self.rounds: dict[
             int, tuple[list[str], list[int], dict]
         ] = {}  # key -> sids, budget, outputs
@@ -385,7 +376,7 @@ class _DraftRounds:
     def busy(self) -> bool:
         return self.sessions.busy
 
-    def step(self) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def step(self) -> list[tuple[int, torch.Tensor, torch.Tensor, TopK]]:
         done = []
         for sid, out in self.sessions.step().items():
             key = self.owner.pop(sid)
@@ -393,22 +384,36 @@ class _DraftRounds:
             outputs[sid] = out
             if len(outputs) == len(sids):
                 del self.rounds[key]
-                done.append((key, *draft_tables([outputs[s] for s in sids], budget, self.vocab)))
+                done.append((key, *draft_tables([outputs[s] for s in sids], budget)))
         return done
 
 
-def draft_tables(outs: list, budget: list[int], vocab: int):
-    """Proposals (B, k) with -1 padding, their number (B,) and dense p tables (B, k, V) from the
-    draft sessions' chunk outputs (top-K processed log-probs of every sampled position)."""
+def draft_tables(outs: list, budget: list[int]) -> tuple[torch.Tensor, torch.Tensor, TopK]:
+    """Proposals (B, k) with -1 padding, their number (B,) and the listed p log-probs
+    (B, k, K+1) from the draft sessions' chunk outputs (sampled token, then the top-K, processed)."""
     num = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.long)
-    rows = dense_rows(torch.from_numpy(np.concatenate([np.stack(o.logprob_ids) for o in outs])),
-                      torch.from_numpy(np.concatenate([np.stack(o.logprobs) for o in outs])), vocab)  # fmt: skip
-    valid = torch.arange(max(budget)) < num.unsqueeze(-1)
-    proposals = torch.full(valid.shape, -1, dtype=torch.long)
-    proposals[valid] = torch.tensor([t for o in outs for t in o.token_ids], dtype=torch.long)
-    tables = torch.full((*valid.shape, vocab), float("-inf"), dtype=torch.float64)
-    tables[valid] = rows
+    width = max(budget)
+    ids = np.concatenate([np.stack(o.logprob_ids) for o in outs])
+    values = np.concatenate([np.stack(o.logprobs) for o in outs])
+    tables = topk_tables(ids, values, num, width)
+    proposals = torch.full((len(outs), width), -1, dtype=torch.long)
+    proposals[_valid(num, width)] = torch.from_numpy(ids[:, 0]).long()
     return proposals, num, tables
+
+
+def topk_tables(ids: np.ndarray, values: np.ndarray, num: torch.Tensor, width: int) -> TopK:
+    """Rows (N, K+1) of listed token ids and log-probs, num[b] of them per sequence in order, as
+    a `TopK` (B, width, K+1) padded with id -1 / log-prob -inf (float64, repeats removed)."""
+    valid = _valid(num, width)
+    out_ids = torch.full((*valid.shape, ids.shape[-1]), -1, dtype=torch.long)
+    out_values = torch.full(out_ids.shape, float("-inf"), dtype=torch.float64)
+    out_ids[valid] = torch.from_numpy(ids).long()
+    out_values[valid] = torch.from_numpy(values).double()
+    return TopK.dedupe(out_ids, out_values)
+
+
+def _valid(num: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.arange(width) < num.unsqueeze(-1)
 
 
 def split_cpu_threads() -> dict[str, str]:
