@@ -22,8 +22,9 @@ What this patch changes, only for chunks whose `SamplingParams.extra_args` carry
 And, for every request (same results, one batch instead of a loop):
 3. `GPUModelRunner._get_prompt_logprobs_dict` runs the LM head, log-softmax and top-K gather once
    for all requests of a step whose prompt ends in that step, instead of once per request (with
-   a few tokens per request and hundreds of requests, the loop cost more than the forward).
-   Steps with a request mid-way through a chunked prompt use vLLM's own loop.
+   a few tokens per request and hundreds of requests, the loop cost more than the forward), and
+   writes all their rows into one buffer that each request's tensors are views of. Steps with a
+   request mid-way through a chunked prompt use vLLM's own loop.
 
 Guarded by version: `apply()` refuses any vLLM not in `SUPPORTED_VLLM`, naming the version.
 `remove()` restores the originals (the test uses it to show the patch is needed).
@@ -90,8 +91,6 @@ def _update_streaming_request(self, req_id, new_req_data):
 
 
 def _get_prompt_logprobs_dict(self, hidden_states, num_scheduled_tokens):
-    from vllm.v1.outputs import LogprobsTensors
-
     plan = []  # (req_id, num_logprobs, first row, rows to compute)
     for req_id, num_logprobs in self.num_prompt_logprobs.items():
         scheduled = num_scheduled_tokens.get(req_id)
@@ -104,45 +103,56 @@ def _get_prompt_logprobs_dict(self, hidden_states, num_scheduled_tokens):
         if scheduled <= remaining:  # a chunk of a longer prompt: vLLM's own loop handles it
             return _originals["prompt_logprobs"](self, hidden_states, num_scheduled_tokens)
         plan.append((req_id, num_logprobs, request.num_computed_tokens, max(remaining, 0)))
-    results = {}
+    prompt_logprobs = {}
     for num_logprobs in {entry[1] for entry in plan}:
-        group = [entry for entry in plan if entry[1] == num_logprobs and entry[3] > 0]
-        rows, targets = [], []
-        for req_id, _, start, count in group:
+        group = [entry for entry in plan if entry[1] == num_logprobs]
+        prompt_logprobs.update(_batched_prompt_logprobs(self, hidden_states, group, num_logprobs))
+    for req_id, *_ in plan:
+        del self.num_prompt_logprobs[req_id]
+        self.requests[req_id].in_progress_prompt_logprobs_cpu = None
+    return prompt_logprobs
+
+
+def _batched_prompt_logprobs(self, hidden_states, group: list, num_logprobs: int) -> dict:
+    """Prompt log-probs of the requests in `group` (req_id, _, first row, rows) whose prompts end
+    in this step: one LM head, log-softmax and top-K gather for all of them, written into one
+    buffer that each request's (len(prompt) - 1)-row tensors are views of (unset rows: garbage,
+    as in vLLM's `empty_cpu`)."""
+    import numpy as np
+    from vllm.v1.outputs import LogprobsTensors
+
+    prompts = [self.requests[req_id].prompt_token_ids for req_id, *_ in group]
+    sizes = np.array([len(prompt) - 1 for prompt in prompts])
+    base = np.concatenate([[0], np.cumsum(sizes)])
+    ids = torch.empty((int(base[-1]), num_logprobs + 1), dtype=torch.int32)
+    values = torch.empty(ids.shape, dtype=torch.float32)
+    ranks = torch.empty(ids.shape[0], dtype=torch.int32)
+    hidden_rows, targets, rows_out = [], [], []
+    for (req_id, _, start, count), prompt, at in zip(group, prompts, base[:-1], strict=True):
+        if count:
             offset = int(self.query_start_loc.np[self.input_batch.req_id_to_index[req_id]])
-            rows.append(torch.arange(offset, offset + count))
-            prompt = self.requests[req_id].prompt_token_ids
-            targets.append(torch.tensor(prompt[start + 1 : start + 1 + count], dtype=torch.int64))
-        if not group:
-            continue
-        logits = self.model.compute_logits(hidden_states[torch.cat(rows).to(hidden_states.device)])
+            hidden_rows.append(np.arange(offset, offset + count))
+            targets.append(prompt[start + 1 : start + 1 + count])
+            rows_out.append(np.arange(at + start, at + start + count))
+    if hidden_rows:
+        picked = torch.from_numpy(np.concatenate(hidden_rows)).to(hidden_states.device)
+        logits = self.model.compute_logits(hidden_states[picked])
         if self.model_config.logprobs_mode in ("raw_logits", "processed_logits"):
             scores = logits.to(torch.float32)
         else:
             scores = self.sampler.compute_logprobs(logits)
-        token_ids, logprobs, ranks, *_ = self.sampler.gather_logprobs(
-            scores, num_logprobs, torch.cat(targets).to(scores.device)
+        flat_targets = torch.tensor([t for chunk in targets for t in chunk], dtype=torch.int64)
+        token_ids, logprobs, token_ranks, *_ = self.sampler.gather_logprobs(
+            scores, num_logprobs, flat_targets.to(scores.device)
         )
-        at = 0
-        for req_id, _, start, count in group:
-            results[req_id] = (token_ids[at : at + count], logprobs[at : at + count],
-                               ranks[at : at + count], start)  # fmt: skip
-            at += count
-    prompt_logprobs = {}
-    for req_id, num_logprobs, start, _ in plan:
-        tensors = LogprobsTensors.empty_cpu(
-            len(self.requests[req_id].prompt_token_ids) - 1, num_logprobs + 1
-        )
-        if req_id in results:
-            ids, values, ranks, start = results[req_id]
-            rows = slice(start, start + ids.shape[0])
-            tensors.logprob_token_ids[rows].copy_(ids)
-            tensors.logprobs[rows].copy_(values)
-            tensors.selected_token_ranks[rows].copy_(ranks)
-        prompt_logprobs[req_id] = tensors
-        del self.num_prompt_logprobs[req_id]
-        self.requests[req_id].in_progress_prompt_logprobs_cpu = None
-    return prompt_logprobs
+        where = torch.from_numpy(np.concatenate(rows_out))
+        ids.index_copy_(0, where, token_ids.to("cpu", torch.int32))
+        values.index_copy_(0, where, logprobs.to("cpu", torch.float32))
+        ranks.index_copy_(0, where, token_ranks.to("cpu", torch.int32))
+    return {
+        req_id: LogprobsTensors(ids[a:b], values[a:b], ranks[a:b])
+        for (req_id, *_), a, b in zip(group, base[:-1].tolist(), base[1:].tolist(), strict=True)
+    }
 
 
 def is_applied() -> bool:
