@@ -138,7 +138,9 @@ def test_topk_lists_emit_the_same_distribution_as_dense_tables(lam):
 
     args = (x.unsqueeze(-1), torch.ones(n, dtype=torch.long))
     sparse = verify_proposals(*args, draft, guide, lam, torch.Generator().manual_seed(9))
-    full = verify_proposals(*args, dense(draft), dense(guide), lam, torch.Generator().manual_seed(9))
+    full = verify_proposals(
+        *args, dense(draft), dense(guide), lam, torch.Generator().manual_seed(9)
+    )
     assert torch.equal(sparse.offpolicy, full.offpolicy) and sparse.offpolicy.any()
     accepted = ~sparse.offpolicy[:, 0]
     assert torch.equal(sparse.tokens[accepted], full.tokens[accepted])
@@ -149,7 +151,9 @@ def test_topk_lists_emit_the_same_distribution_as_dense_tables(lam):
         p_row, q_row = dense(draft)[x == token][0, 0].exp(), dense(guide)[x == token][0, 0].exp()
         accept = min(1.0, (1 - lam) + lam * q[token].item() / p[token].item())
         residual = (q_row - p_row).clamp(min=0)
-        expected += p[token] * (accept * torch.eye(6, dtype=D)[token] + (1 - accept) * residual / residual.sum())
+        expected += p[token] * (
+            accept * torch.eye(6, dtype=D)[token] + (1 - accept) * residual / residual.sum()
+        )
     counts = torch.bincount(sparse.tokens[:, 0], minlength=6).to(D)
     assert _chi2_ok(counts, expected) > 1e-3
     # the residual token's recorded log-probs are its listed values (-inf when the draft did not list it)

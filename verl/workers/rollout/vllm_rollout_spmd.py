@@ -397,7 +397,9 @@ def draft_tables(outs: list, budget: list[int]) -> tuple[torch.Tensor, torch.Ten
     values = np.concatenate([np.stack(o.logprobs) for o in outs])
     tables = topk_tables(ids, values, num, width)
     proposals = torch.full((len(outs), width), -1, dtype=torch.long)
-    proposals[_valid(num, width)] = torch.from_numpy(ids[:, 0]).long()
+    proposals[_valid(num, width)] = torch.tensor(
+        [t for o in outs for t in o.token_ids], dtype=torch.long
+    )
     return proposals, num, tables
 
 
