@@ -38,13 +38,13 @@ DEFAULT_THREADS = torch.get_num_threads()  # before any engine changes it
 
 
 def rollout(draft: str, guidance: str | None, args: argparse.Namespace, k: int, tok) -> VLLMRollout:
-    cfg = RolloutConfig(n=1, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.03, seed=0,
+    cfg = RolloutConfig(n=1, dtype=args.dtype, enforce_eager=True, gpu_memory_utilization=0.03, seed=0,
                         prompt_length=args.prompt_len + 2, response_length=args.response)  # fmt: skip
     g = cfg.offpolicy_guidance
     g.enable, g.model_path, g.dtype, g.gpu_memory_utilization = (
         bool(guidance),
         guidance,
-        "float32",
+        args.dtype,
         0.03,
     )
     g.logprobs, g.num_speculative_tokens, g.lam = args.logprobs, k, 0.5
@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--k", default="4,6", help="num_speculative_tokens values, comma-separated")
     parser.add_argument("--logprobs", type=int, default=20, help="top-K log-probs per position")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtype", default="float32", help="both engines' dtype (e.g. bfloat16)")
     parser.add_argument("--groups", default=str(OffPolicyGuidanceConfig.pipeline_groups),
                         help="offpolicy_guidance.pipeline_groups values, comma-separated")  # fmt: skip
     args = parser.parse_args()
@@ -111,7 +112,7 @@ def main() -> None:
             assert int(out.batch["response_mask"].sum()) == args.prompts * args.response
     base = statistics.median(times["draft-only"])
     print(f"torch {torch.__version__}, {args.prompts} prompts x {args.prompt_len} tokens, {args.response} new tokens, "
-          f"top-{args.logprobs} log-probs, λ=0.5, {os.cpu_count()} cores; g = pipeline_groups")  # fmt: skip
+          f"top-{args.logprobs} log-probs, {args.dtype}, λ=0.5, {os.cpu_count()} cores; g = pipeline_groups")  # fmt: skip
     for name, t in times.items():
         m = meta[name]
         extra = ""
