@@ -55,8 +55,6 @@ def scoring_params(**kwargs):
 def fresh_prompt_logprobs(llm, *sequences: list[int]) -> list[torch.Tensor]:
     """Per sequence, (len-1, V) dense prompt log-probs of plain requests (row t scores token t+1),
     all submitted in one `generate` call."""
-    from verl.workers.rollout.vllm_sessions import dense_rows
-
     outs = llm.generate([{"prompt_token_ids": s} for s in sequences], scoring_params(flat_logprobs=True),
                         use_tqdm=False)  # fmt: skip
     tables = []
@@ -70,9 +68,13 @@ def fresh_prompt_logprobs(llm, *sequences: list[int]) -> list[torch.Tensor]:
     return tables
 
 
-def session_rows(result, first: int, count: int) -> torch.Tensor:
-    from verl.workers.rollout.vllm_sessions import dense_rows
+def dense_rows(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(N, K) listed token ids and log-probs -> (N, V) float64 rows, -inf where unlisted."""
+    rows = torch.full((ids.shape[0], vocab), float("-inf"), dtype=torch.float64)
+    return rows.scatter_(1, ids.long(), values.double())
 
+
+def session_rows(result, first: int, count: int) -> torch.Tensor:
     lp = result.prompt_logprobs
     return dense_rows(lp.logprob_token_ids[first : first + count], lp.logprobs[first : first + count], VOCAB)  # fmt: skip
 

@@ -329,10 +329,11 @@ def speculative_generate(
     """Generate responses whose tokens follow q_λ, round by round, for a batch of prompts.
 
     `propose(ids, prefixes, n)` returns (proposals (B, k) with -1 padding, num_proposed (B,),
-    draft log-prob tables (B, k, V) or `TopK`): up to n[b] draft tokens per prefix, stopping after EOS.
-    `score(ids, prefixes, proposals, num_proposed)` returns the guidance tables (B, k, V) or `TopK` at the
-    same positions. Both get only the still-active sequences, with `ids` their indices in
-    `prompts` (engines keep per-sequence state). Stops at EOS or `max_new_tokens`.
+    draft log-prob tables (B, k, V) or `TopK`): up to n[b] draft tokens per prefix, stopping
+    after EOS. `score(ids, prefixes, proposals, num_proposed)` returns the guidance tables
+    (B, k, V) or `TopK` at the same positions. Both get only the still-active sequences, with
+    `ids` their indices in `prompts` (engines keep per-sequence state). Stops at EOS or
+    `max_new_tokens`.
     """
     batch = SpeculativeBatch(
         prompts, lam, num_speculative_tokens, max_new_tokens, eos_token_id, generator
@@ -354,7 +355,7 @@ class DraftStepper(Protocol):
     def busy(self) -> bool:
         """Some round is still proposing."""
 
-    def step(self) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def step(self) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | TopK]]:
         """One engine step; returns (key, proposals, num_proposed, draft tables) of the rounds
         whose proposals all finished in it (shapes as `ProposeFn`'s)."""
 
@@ -370,8 +371,9 @@ class AsyncScorer(Protocol):
     def ready(self) -> bool:
         """The oldest submitted round's tables can be collected without waiting."""
 
-    def collect(self) -> torch.Tensor:
-        """The guidance tables (B, k, V) or `TopK` of the oldest submitted round (waits if needed)."""
+    def collect(self) -> torch.Tensor | TopK:
+        """The guidance tables (B, k, V) or `TopK` of the oldest submitted round (waits if
+        needed)."""
 
 
 def overlapped_generate(

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 from verl_patches import vllm_session_rewind
 
 
@@ -172,19 +171,6 @@ def _rewind_request(first, tokens: list[int], max_tokens: int, recompute_from: i
     return msgspec.structs.replace(
         first, prompt_token_ids=list(tokens), sampling_params=params, arrival_time=time.time()
     )
-
-
-def dense_rows(
-    ids: torch.Tensor, values: torch.Tensor, vocab: int, dtype=torch.float64
-) -> torch.Tensor:
-    """(N, K) listed token ids and log-probs -> (N, V) dense log-prob rows, -inf where unlisted."""
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise RuntimeError(
-            f"engine returned log-probs for token ids outside [0, {vocab}): "
-            f"{int(ids.min())}..{int(ids.max())}"
-        )
-    rows = torch.full((ids.shape[0], vocab), float("-inf"), dtype=dtype)
-    return rows.scatter_(1, ids.long(), values.to(dtype))
 
 
 def sampled_log_probs(completion) -> tuple[list[int], list[float]]:
