@@ -67,7 +67,6 @@ def engine_memory_args(memory_share: float) -> dict:
 class _Engines:
     draft: object
     guidance: GuidanceProcess | None
-    vocab: int
 
 
 class VLLMRollout:
@@ -111,7 +110,7 @@ class VLLMRollout:
                     logprobs_mode="processed_logprobs", **engine_memory_args(config.gpu_memory_utilization), **common)  # fmt: skip
         if engine is not None:
             engine.wait_ready()
-        self.engines = _Engines(draft, engine, vocab)
+        self.engines = _Engines(draft, engine)
         self.draft_sessions = SessionEngine(draft) if self.speculative else None
         self._call = 0
 
