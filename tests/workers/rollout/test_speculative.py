@@ -5,17 +5,20 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 
 from verl.trainer.core_algos.guidance import mixture_log_probs
 from verl.workers.rollout.speculative import (
+    ListedRows,
     SpeculativeBatch,
     TopK,
     overlapped_generate,
     process_log_probs,
     speculative_generate,
+    verify_listed,
     verify_proposals,
 )
 
@@ -161,6 +164,94 @@ def test_topk_lists_emit_the_same_distribution_as_dense_tables(lam):
     torch.testing.assert_close(sparse.guidance_log_probs[off, 0], q.log()[sparse.tokens[off, 0]])
     listed_p = draft.lookup(sparse.tokens.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(sparse.draft_log_probs[off, 0], listed_p[off, 0])
+
+
+def _rows(ids: list[list[int]], probs: list[list[float]]) -> ListedRows:
+    return ListedRows(np.array(ids), np.log(np.array(probs)))
+
+
+def test_listed_rows_tail_mass_and_processing_hand_values():
+    rows = _rows([[3, 1, 3, 0]], [[0.2, 0.5, 0.2, 0.1]])  # token 3 listed twice (sampled + top-K)
+    # listed mass 0.2 + 0.5 + 0.1 = 0.8 (the repeat counts once): tail 0.2
+    np.testing.assert_allclose(rows.tail_mass(), [0.2], rtol=1e-12)
+    # temperature 0.5 squares the listed probabilities: [.04, .25, -, .01] / .30
+    expected = np.array([[0.04, 0.25, 0.0, 0.01]]) / 0.30
+    np.testing.assert_allclose(
+        np.exp(rows.processed(temperature=0.5).log_probs), expected, rtol=1e-12
+    )
+
+
+def test_verify_listed_hand_values():
+    """Two sequences, k = 3, λ = 0.5; rows hold the proposal first, then a top-3 (repeats kept)."""
+    num = torch.tensor([2, 3])
+    draft = _rows(
+        [[4, 4, 7, 1], [7, 7, 1, 0], [2, 0, 5, 2], [0, 0, 1, 2], [9, 3, 9, 1]],
+        [[0.5, 0.5, 0.3, 0.1], [0.6, 0.6, 0.2, 0.1], [0.2, 0.5, 0.3, 0.2],
+         [0.7, 0.7, 0.1, 0.1], [0.1, 0.6, 0.1, 0.2]],
+    )  # fmt: skip
+    guide = _rows(
+        [[4, 2, 4, 0], [7, 1, 3, 7], [2, 2, 9, 0], [0, 0, 8, 1], [9, 9, 3, 2]],
+        [[0.3, 0.4, 0.3, 0.2], [0.1, 0.5, 0.3, 0.1], [0.4, 0.4, 0.1, 0.3],
+         [0.7, 0.7, 0.2, 0.05], [0.2, 0.2, 0.5, 0.1]],
+    )  # fmt: skip
+    # seq 0: token 4 ratio 0.5 + 0.5 * 0.3/0.5 = 0.8 > u = 0.79, accepted; token 7 ratio
+    # 0.5 + 0.5 * 0.1/0.6 = 0.5833 <= u = 0.6, rejected. Residual over the guidance's list
+    # [7, 1, 3]: 7 -> 0 (q < p), 1 -> 0.5 - 0.2 = 0.3, 3 -> 0.3 - 0 (the draft does not list it);
+    # CDF [0, 0.3, 0.6, 0.6]; last uniform 0.6 * 0.6 = 0.36 passes 2 entries -> token 3.
+    # seq 1: ratios 1.5, 1.0, 1.5 >= 1: all accepted whatever the uniforms.
+    u = torch.tensor([[0.79, 0.6, 0.5, 0.6], [0.99, 0.99, 0.99, 0.5]], dtype=D)
+    out = verify_listed(num, draft, guide, 0.5, u)
+    assert out.tokens.tolist() == [[4, 3, -1], [2, 0, 9]]
+    assert out.num_emitted.tolist() == [2, 3] and out.num_accepted.tolist() == [1, 3]
+    assert out.offpolicy.tolist() == [[False, True, False], [False, False, False]]
+    log = math.log
+    expected_p = [[log(0.5), float("-inf"), 0.0], [log(0.2), log(0.7), log(0.1)]]
+    expected_q = [[log(0.3), log(0.3), 0.0], [log(0.4), log(0.7), log(0.2)]]
+    torch.testing.assert_close(out.draft_log_probs, torch.tensor(expected_p, dtype=D))
+    torch.testing.assert_close(out.guidance_log_probs, torch.tensor(expected_q, dtype=D))
+    # a smaller last uniform, 0.4 * 0.6 = 0.24, stops at the second entry: token 1 (q 0.5, p 0.2)
+    u[0, -1] = 0.4
+    out = verify_listed(num, draft, guide, 0.5, u)
+    assert out.tokens[0, 1] == 1 and out.draft_log_probs[0, 1].item() == pytest.approx(log(0.2))
+
+
+def _random_rows(gen: np.random.Generator, tokens: np.ndarray, vocab: int, top: int) -> ListedRows:
+    """One engine row per token: the token, then the `top` most likely of a random distribution
+    (the token may repeat among them), with their log-probs."""
+    probs = gen.dirichlet(np.full(vocab, 0.3), len(tokens))
+    best = np.argsort(-probs, axis=-1)[:, :top]
+    ids = np.concatenate([tokens[:, None], best], axis=-1)
+    return ListedRows(ids, np.log(np.take_along_axis(probs, ids, -1)).astype(np.float32))
+
+
+@pytest.mark.parametrize("lam", [0.3, 1.0])
+def test_verify_listed_equals_verify_proposals_on_topk(lam):
+    """The flat-rows path and `verify_proposals` on the same lists padded to a `TopK` give the
+    same tokens, provenance and log-probs for the same uniforms (300 sequences, k = 4)."""
+    gen = np.random.default_rng(3)
+    batch, k, vocab = 300, 4, 12
+    num = torch.from_numpy(gen.integers(1, k + 1, batch))
+    tokens = gen.integers(0, vocab, int(num.sum()))
+    draft, guide = _random_rows(gen, tokens, vocab, 5), _random_rows(gen, tokens, vocab, 5)
+    u = torch.from_numpy(gen.random((batch, k + 1)))
+    fast = verify_listed(num, draft, guide, lam, u)
+    proposals = torch.full((batch, k), -1, dtype=torch.long)
+    proposals[torch.arange(k) < num.unsqueeze(-1)] = torch.from_numpy(tokens)
+    ref = verify_proposals(
+        proposals, num, draft.as_topk(num, k), guide.as_topk(num, k), lam, uniforms=u
+    )
+    assert fast.offpolicy.any() and (fast.num_accepted > 1).any()
+    for name in ("tokens", "num_emitted", "num_accepted", "offpolicy"):
+        assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    for name in ("draft_log_probs", "guidance_log_probs"):
+        torch.testing.assert_close(getattr(fast, name), getattr(ref, name), rtol=0, atol=1e-12)
+
+
+def test_verify_listed_refuses_rows_of_different_proposals():
+    rows = _rows([[1, 2]], [[0.5, 0.5]])
+    other = _rows([[2, 1]], [[0.5, 0.5]])
+    with pytest.raises(RuntimeError, match="same proposals"):
+        verify_listed(torch.tensor([1]), rows, other, 0.5, torch.zeros(1, 2, dtype=D))
 
 
 # ---------------------------------------------------------------------------------------- loop

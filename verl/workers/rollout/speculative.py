@@ -13,7 +13,8 @@ token is drawn after a fully accepted round; the next round continues from the n
 
 This module imports neither vLLM nor torch.distributed: it works on token ids and log-prob
 tables (dense (B, k, V), or the engines' top-K lists as `TopK`), so it is tested exactly on
-CPU with toy models. The engine driver feeds it.
+CPU with toy models. The engine driver feeds it the engines' lists as flat `ListedRows`, which
+`verify_listed` verifies in numpy with the same decisions as `verify_proposals` on a `TopK`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 NEG_INF = float("-inf")
@@ -115,6 +117,44 @@ def as_topk(tables: torch.Tensor | TopK) -> TopK:
 
 
 @dataclass
+class ListedRows:
+    """The engines' lists as flat rows, one per proposal position in sequence order (num[b] rows
+    for sequence b): `ids` (N, K+1) with column 0 the position's own token (the draft's sample,
+    or the proposal the guidance scored) and then the top-K, `log_probs` (N, K+1) processed.
+
+    The same tables as a `TopK` (B, k, K+1) without the padding: `verify_listed` reads them
+    without building (B, k, ...) tensors, so a round costs a few numpy calls.
+    """
+
+    ids: np.ndarray
+    log_probs: np.ndarray
+
+    def deduped(self) -> np.ndarray:
+        """`log_probs` with every repeat of a row's earlier entry set to -inf (see `TopK.dedupe`)."""
+        same = self.ids[:, :, None] == self.ids[:, None, :]  # (N, K+1, K+1)
+        repeat = np.tril(same, -1).any(-1)
+        return np.where(repeat, NEG_INF, self.log_probs.astype(np.float64))
+
+    def processed(self, **processing) -> ListedRows:
+        """`process_log_probs` over each row's listed tokens (repeats dropped, renormalised)."""
+        rows = torch.from_numpy(self.deduped())
+        return ListedRows(self.ids, process_log_probs(rows, **processing).numpy())
+
+    def tail_mass(self) -> np.ndarray:
+        """(N,) probability mass not listed: 1 - sum of the listed probabilities, >= 0."""
+        return np.clip(1.0 - np.exp(self.deduped()).sum(-1), 0.0, None)
+
+    def as_topk(self, num: torch.Tensor, width: int) -> TopK:
+        """The same tables padded to a `TopK` (B, width, K+1) (id -1 / log-prob -inf)."""
+        valid = torch.arange(width) < num.unsqueeze(-1)
+        ids = torch.full((*valid.shape, self.ids.shape[-1]), -1, dtype=torch.long)
+        values = torch.full(ids.shape, NEG_INF, dtype=torch.float64)
+        ids[valid] = torch.from_numpy(self.ids).long()
+        values[valid] = torch.from_numpy(self.log_probs).double()
+        return TopK.dedupe(ids, values)
+
+
+@dataclass
 class VerifyResult:
     """What one round emits, per sequence (tensors padded to k)."""
 
@@ -139,26 +179,30 @@ def verify_proposals(
     guidance_log_probs: torch.Tensor | TopK,
     lam: float,
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Accept / reject a batch of proposals so the emitted tokens follow q_λ = (1-λ)p + λq.
 
     Shapes: proposals (B, k) long, num_proposed (B,); the processed draft / guidance log-probs at
     each proposal position as dense (B, k, V) tables or `TopK` lists (B, k, K): a token not
     listed has probability 0, so the residual max(0, q - p) is drawn among the guidance's listed
-    tokens. Returns a `VerifyResult`.
+    tokens, by inverse CDF in listed order. `uniforms` (B, k'+1) in [0, 1), k' >= k: column i < k
+    tests proposal i, the last column draws the residual token (default: from `generator`).
+    Returns a `VerifyResult`.
     Paper: https://arxiv.org/abs/2211.17192 (speculative sampling, exact for any target).
     """
-    if not 0.0 <= lam <= 1.0:
-        raise ValueError(f"lam must lie in [0, 1], got {lam}")
+    _check_lam(lam)
     p, q = as_topk(draft_log_probs), as_topk(guidance_log_probs)
     batch, k = proposals.shape
     device = proposals.device
     log_p_x = p.lookup(proposals.unsqueeze(-1)).squeeze(-1)
     log_q_x = q.lookup(proposals.unsqueeze(-1)).squeeze(-1)
     ratio = (1.0 - lam) + lam * torch.exp(log_q_x - log_p_x)
-    uniform = torch.rand(batch, k, generator=generator, device=device, dtype=p.log_probs.dtype)
+    if uniforms is None:
+        uniforms = torch.rand(batch, k + 1, generator=generator, dtype=torch.float64)
+    uniforms = uniforms.to(device=device, dtype=p.log_probs.dtype)
     proposed = torch.arange(k, device=device).unsqueeze(0) < num_proposed.unsqueeze(-1)
-    rejected = proposed & (uniform >= ratio.clamp(max=1.0))
+    rejected = proposed & (uniforms[:, :k] >= ratio.clamp(max=1.0))
     has_reject = rejected.any(dim=-1)
     first_reject = torch.where(has_reject, rejected.float().argmax(dim=-1), num_proposed)
     num_accepted = first_reject
@@ -177,7 +221,9 @@ def verify_proposals(
         residual = (q_c.exp() - p_c.exp()).clamp(min=0.0)
         empty = residual.sum(-1, keepdim=True) <= 0  # only reachable through rounding: use q
         residual = torch.where(empty, q_c.exp(), residual)
-        pick = torch.multinomial(residual, 1, generator=generator)
+        cdf = residual.cumsum(-1)
+        below = cdf <= (uniforms[rows, -1] * cdf[:, -1]).unsqueeze(-1)
+        pick = below.sum(-1, keepdim=True).clamp(max=residual.shape[-1] - 1)
         tokens[rows, pos] = candidates.gather(-1, pick).squeeze(-1)
         log_p_emitted[rows, pos] = p_c.gather(-1, pick).squeeze(-1)
         log_q_emitted[rows, pos] = q_c.gather(-1, pick).squeeze(-1)
@@ -191,6 +237,78 @@ def verify_proposals(
         draft_log_probs=torch.where(valid, log_p_emitted, 0.0),
         guidance_log_probs=torch.where(valid, log_q_emitted, 0.0),
     )
+
+
+def verify_listed(
+    num_proposed: torch.Tensor,
+    draft: ListedRows,
+    guidance: ListedRows,
+    lam: float,
+    uniforms: torch.Tensor,
+) -> VerifyResult:
+    """`verify_proposals` on the engines' flat rows: the same decisions and tokens for the same
+    `uniforms` (B, k+1), computed in numpy without padding (the rollout's per-round path), with
+    (B, k) results for up to k proposals per sequence.
+
+    p(x) and q(x) of each proposal are column 0 of its rows (N, K+1); only a rejected position's
+    rows are searched, for the residual max(0, q - p) over the guidance's listed tokens.
+    num_proposed (B,); returns a `VerifyResult` with (B, k) tensors, k = uniforms.shape[1] - 1.
+    Paper: https://arxiv.org/abs/2211.17192 (speculative sampling, exact for any target).
+    """
+    _check_lam(lam)
+    num = num_proposed.numpy()
+    u = uniforms.numpy().astype(np.float64)
+    batch, k = u.shape[0], u.shape[1] - 1
+    if not np.array_equal(draft.ids[:, 0], guidance.ids[:, 0]):
+        raise RuntimeError("draft and guidance rows do not list the same proposals in column 0")
+    seq = np.repeat(np.arange(batch), num)
+    starts = np.cumsum(num) - num
+    pos = np.arange(len(seq)) - starts[seq]
+    log_p_x = draft.log_probs[:, 0].astype(np.float64)
+    log_q_x = guidance.log_probs[:, 0].astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):  # p(x) > 0: x was sampled from p
+        ratio = (1.0 - lam) + lam * np.exp(log_q_x - log_p_x)
+    rejected = u[seq, pos] >= np.minimum(ratio, 1.0)
+    first = np.full(batch, k)
+    np.minimum.at(first, seq[rejected], pos[rejected])
+    has_reject = first < k
+    num_accepted = np.where(has_reject, first, num)
+    kept = pos < num_accepted[seq]
+    tokens = np.full((batch, k), -1, dtype=np.int64)
+    log_p, log_q = np.zeros((batch, k)), np.zeros((batch, k))
+    tokens[seq[kept], pos[kept]] = draft.ids[kept, 0]
+    log_p[seq[kept], pos[kept]], log_q[seq[kept], pos[kept]] = log_p_x[kept], log_q_x[kept]
+    offpolicy = np.zeros((batch, k), dtype=bool)
+    rows = np.flatnonzero(has_reject)
+    if len(rows):
+        at = starts[rows] + first[rows]  # the rejected positions' row indices
+        candidates = guidance.ids[at]  # (R, K+1): only tokens with q > 0 can have q > p
+        q_c = ListedRows(candidates, guidance.log_probs[at]).deduped()
+        listed_p = ListedRows(draft.ids[at], draft.log_probs[at]).deduped()
+        hit = candidates[:, :, None] == draft.ids[at][:, None, :]
+        p_c = np.where(hit, listed_p[:, None, :], NEG_INF).max(-1)
+        residual = np.clip(np.exp(q_c) - np.exp(p_c), 0.0, None)
+        empty = residual.sum(-1, keepdims=True) <= 0  # only reachable through rounding: use q
+        residual = np.where(empty, np.exp(q_c), residual)
+        cdf = residual.cumsum(-1)
+        pick = (cdf <= (u[rows, -1] * cdf[:, -1])[:, None]).sum(-1).clip(max=cdf.shape[-1] - 1)
+        r = np.arange(len(rows))
+        tokens[rows, first[rows]] = candidates[r, pick]
+        log_p[rows, first[rows]], log_q[rows, first[rows]] = p_c[r, pick], q_c[r, pick]
+        offpolicy[rows, first[rows]] = True
+    return VerifyResult(
+        tokens=torch.from_numpy(tokens),
+        num_emitted=torch.from_numpy(num_accepted + has_reject),
+        num_accepted=torch.from_numpy(num_accepted),
+        offpolicy=torch.from_numpy(offpolicy),
+        draft_log_probs=torch.from_numpy(log_p),
+        guidance_log_probs=torch.from_numpy(log_q),
+    )
+
+
+def _check_lam(lam: float) -> None:
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lam must lie in [0, 1], got {lam}")
 
 
 @dataclass
@@ -282,14 +400,19 @@ class SpeculativeBatch:
         self,
         proposals: torch.Tensor,
         num_proposed: torch.Tensor,
-        draft_tables: torch.Tensor | TopK,
-        guidance_tables: torch.Tensor | TopK,
+        draft_tables: torch.Tensor | TopK | ListedRows,
+        guidance_tables: torch.Tensor | TopK | ListedRows,
     ) -> None:
         """Verify the round that `next_round()` opened (tensors as in `verify_proposals`, one row
-        per active sequence) and append what it emits to the sequences."""
-        result = verify_proposals(
-            proposals, num_proposed, draft_tables, guidance_tables, self.lam, self.generator
+        per active sequence, or both tables as `ListedRows`) and append what it emits."""
+        uniforms = torch.rand(
+            proposals.shape[0], self.k + 1, generator=self.generator, dtype=torch.float64
         )
+        if isinstance(draft_tables, ListedRows) and isinstance(guidance_tables, ListedRows):
+            result = verify_listed(num_proposed, draft_tables, guidance_tables, self.lam, uniforms)
+        else:
+            result = verify_proposals(proposals, num_proposed, draft_tables,
+                                      guidance_tables, self.lam, uniforms=uniforms)  # fmt: skip
         self.stats.rounds += 1
         self.stats.proposed += int(num_proposed.sum())
         self.stats.accepted += int(result.num_accepted.sum())
@@ -355,7 +478,9 @@ class DraftStepper(Protocol):
     def busy(self) -> bool:
         """Some round is still proposing."""
 
-    def step(self) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | TopK]]:
+    def step(
+        self,
+    ) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | TopK | ListedRows]]:
         """One engine step; returns (key, proposals, num_proposed, draft tables) of the rounds
         whose proposals all finished in it (shapes as `ProposeFn`'s)."""
 
@@ -371,9 +496,9 @@ class AsyncScorer(Protocol):
     def ready(self) -> bool:
         """The oldest submitted round's tables can be collected without waiting."""
 
-    def collect(self) -> torch.Tensor | TopK:
-        """The guidance tables (B, k, V) or `TopK` of the oldest submitted round (waits if
-        needed)."""
+    def collect(self) -> torch.Tensor | TopK | ListedRows:
+        """The guidance tables (B, k, V), `TopK` or `ListedRows` of the oldest submitted round
+        (waits if needed)."""
 
 
 def overlapped_generate(

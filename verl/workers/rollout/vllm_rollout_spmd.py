@@ -25,9 +25,9 @@ from verl.workers.rollout.config import OffPolicyGuidanceConfig, RolloutConfig
 from verl.workers.rollout.guidance_server import GuidanceProcess
 from verl.workers.rollout.speculative import (
     GuidedSequence,
+    ListedRows,
     RoundStats,
     SpeculativeBatch,
-    TopK,
     overlapped_generate,
 )
 from verl.workers.rollout.vllm_sessions import SessionEngine, sampled_log_probs
@@ -161,16 +161,16 @@ class VLLMRollout:
         rows = [(len(prefix) - 1, int(n)) for prefix, n in zip(prefixes, num, strict=True)]
         self.engines.guidance.submit("score", chunks, rows, self.num_logprobs)
         self._counters.submitted += sum(len(tokens) for _, tokens, *_ in chunks)
-        self._scoring.append((proposals.shape[1], num))
+        self._scoring.append(num)
 
-    def _collect_score(self) -> TopK:
-        """The guidance's listed log-probs (B, k, K+1) of the oldest round submitted (processed
-        like the draft's)."""
-        width, num = self._scoring.popleft()
+    def _collect_score(self) -> ListedRows:
+        """The guidance's listed log-probs of the oldest round submitted, one row per proposal
+        (processed like the draft's)."""
+        self._scoring.popleft()
         ids, values, computed = self.engines.guidance.result()
         self._counters.computed += computed
-        tables = topk_tables(ids, values, num, width)
-        self._counters.tail_mass.append(tables.tail_mass()[_valid(num, width)])
+        tables = ListedRows(ids, values)
+        self._counters.tail_mass.append(tables.tail_mass())
         processing = self._guidance_processing()
         if (
             processing["temperature"] == 1.0
@@ -349,7 +349,7 @@ class _Scorer:
 
     submit: Callable
     ready: Callable[[], bool]
-    collect: Callable[[], TopK]
+    collect: Callable[[], ListedRows]
 
 
 class _DraftRounds:
@@ -375,7 +375,7 @@ class _DraftRounds:
     def busy(self) -> bool:
         return self.sessions.busy
 
-    def step(self) -> list[tuple[int, torch.Tensor, torch.Tensor, TopK]]:
+    def step(self) -> list[tuple[int, torch.Tensor, torch.Tensor, ListedRows]]:
         done = []
         for sid, out in self.sessions.step().items():
             key = self.owner.pop(sid)
@@ -387,34 +387,17 @@ class _DraftRounds:
         return done
 
 
-def draft_tables(outs: list, budget: list[int]) -> tuple[torch.Tensor, torch.Tensor, TopK]:
-    """Proposals (B, k) with -1 padding, their number (B,) and the listed p log-probs
-    (B, k, K+1) from the draft sessions' chunk outputs (sampled token, then the top-K, processed)."""
+def draft_tables(outs: list, budget: list[int]) -> tuple[torch.Tensor, torch.Tensor, ListedRows]:
+    """Proposals (B, k) with -1 padding, their number (B,) and the draft's listed log-probs, one
+    row per proposal (sampled token, then the top-K, processed), from the sessions' chunks."""
     num = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.long)
-    width = max(budget)
-    ids = np.concatenate([np.stack(o.logprob_ids) for o in outs])
-    values = np.concatenate([np.stack(o.logprobs) for o in outs])
-    tables = topk_tables(ids, values, num, width)
-    proposals = torch.full((len(outs), width), -1, dtype=torch.long)
-    proposals[_valid(num, width)] = torch.tensor(
-        [t for o in outs for t in o.token_ids], dtype=torch.long
-    )
-    return proposals, num, tables
-
-
-def topk_tables(ids: np.ndarray, values: np.ndarray, num: torch.Tensor, width: int) -> TopK:
-    """Rows (N, K+1) of listed token ids and log-probs, num[b] of them per sequence in order, as
-    a `TopK` (B, width, K+1) padded with id -1 / log-prob -inf (float64, repeats removed)."""
-    valid = _valid(num, width)
-    out_ids = torch.full((*valid.shape, ids.shape[-1]), -1, dtype=torch.long)
-    out_values = torch.full(out_ids.shape, float("-inf"), dtype=torch.float64)
-    out_ids[valid] = torch.from_numpy(ids).long()
-    out_values[valid] = torch.from_numpy(values).double()
-    return TopK.dedupe(out_ids, out_values)
-
-
-def _valid(num: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.arange(width) < num.unsqueeze(-1)
+    rows = ListedRows(np.stack([row for o in outs for row in o.logprob_ids]),
+                      np.stack([row for o in outs for row in o.logprobs]))  # fmt: skip
+    proposals = torch.full((len(outs), max(budget)), -1, dtype=torch.long)
+    proposals[torch.arange(max(budget)) < num.unsqueeze(-1)] = torch.from_numpy(
+        rows.ids[:, 0]
+    ).long()
+    return proposals, num, rows
 
 
 def split_cpu_threads() -> dict[str, str]:
@@ -447,7 +430,7 @@ class _Counters:
 
     computed: int = 0
     submitted: int = 0
-    tail_mass: list[torch.Tensor] = field(default_factory=list)
+    tail_mass: list[np.ndarray] = field(default_factory=list)
 
     def meta(self, stats: RoundStats | None, out: DataProto, lam: float) -> dict:
         emitted = int(out.batch["response_mask"].sum())
@@ -457,5 +440,5 @@ class _Counters:
             meta.update(accept_rate=stats.accept_rate, rounds=stats.rounds, proposed_tokens=stats.proposed,
                         guidance_tokens_per_emitted=self.computed / max(emitted, 1))  # fmt: skip
         if self.tail_mass:
-            meta["topk_tail_mass"] = float(torch.cat(self.tail_mass).mean())
+            meta["topk_tail_mass"] = float(np.concatenate(self.tail_mass).mean())
         return meta
