@@ -124,8 +124,12 @@ def main() -> None:
     print("\n=== summary (ratios from one run) ===")
     for name in (name for name in runs if name != "draft-only"):
         ratio = statistics.median(times[name]) / base
+        # each repeat runs draft-only and then this setting: their ratio shows the machine's noise
+        pairs = [g / d for g, d in zip(times[name], times["draft-only"], strict=True)]
+        low, mid, high = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else pairs * 3
         print(
-            f"{name}: wall time {ratio:.2f}x draft-only (goal <= 2.0); "
+            f"{name}: wall time {ratio:.2f}x draft-only (goal <= 2.0; per-repeat ratios: median "
+            f"{mid:.2f}, quartiles {low:.2f}-{high:.2f}); "
             f"{meta[name]['guidance_tokens_per_emitted']:.2f} guidance tokens computed per emitted token (goal <= 2)"
         )
 
