@@ -12,7 +12,6 @@ the draft steps the others' proposals (`speculative.overlapped_generate`).
 from __future__ import annotations
 
 import os
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -161,12 +160,12 @@ class VLLMRollout:
         rows = [(len(prefix) - 1, int(n)) for prefix, n in zip(prefixes, num, strict=True)]
         self.engines.guidance.submit("score", chunks, rows, self.num_logprobs)
         self._counters.submitted += sum(len(tokens) for _, tokens, *_ in chunks)
-        self._scoring.append(num)
+        self._in_flight += 1
 
     def _collect_score(self) -> ListedRows:
         """The guidance's listed log-probs of the oldest round submitted, one row per proposal
         (processed like the draft's)."""
-        self._scoring.popleft()
+        self._in_flight -= 1
         ids, values, computed = self.engines.guidance.result()
         self._counters.computed += computed
         tables = ListedRows(ids, values)
@@ -240,7 +239,7 @@ class VLLMRollout:
             self._call += 1  # session ids are unique per wave
             part = prompts[start : start + wave]
             seeds = rng.integers(0, 2**31, len(part))
-            self._scoring = deque()
+            self._in_flight = 0  # scoring rounds submitted and not yet collected
             groups = np.array_split(np.arange(len(part)), min(guidance.pipeline_groups, len(part)))
             batches = [SpeculativeBatch([part[i] for i in g], lam, guidance.num_speculative_tokens, self._max_tokens, eos,
                                         torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=gen))),
@@ -266,8 +265,8 @@ class VLLMRollout:
         the engines stay usable (best effort: the error being raised is the one that matters)."""
         self.draft_sessions.close()
         try:
-            while self._scoring:
-                self._scoring.popleft()
+            while self._in_flight:
+                self._in_flight -= 1
                 self.engines.guidance.result()
             self.engines.guidance.call("close")
         except RuntimeError:
