@@ -12,6 +12,7 @@ threads, as it runs in a process of its own. Both are timed in turns, medians of
 Usage:
     python benchmarks/bench_guided_rollout.py
     python benchmarks/bench_guided_rollout.py --prompts 32 --response 32 --repeats 2
+    python benchmarks/bench_guided_rollout.py --k 4 --bonus on,off   # with and without bonus tokens
 """
 
 from __future__ import annotations
@@ -58,12 +59,15 @@ def prompts(tok, count: int, length: int) -> DataProto:
                                meta_info={"ignore_eos": True, "lam": 0.5})  # fmt: skip
 
 
-def timed(engine: VLLMRollout, batch: DataProto, groups: int = 1) -> tuple[float, DataProto]:
+def timed(
+    engine: VLLMRollout, batch: DataProto, groups: int = 1, bonus: bool = True
+) -> tuple[float, DataProto]:
     if engine.engines.guidance is None:  # the threads each setting has in a process of its own
         torch._C.set_num_threads(DEFAULT_THREADS)
     else:
         split_cpu_threads()
         engine.config.offpolicy_guidance.pipeline_groups = groups
+        engine.config.offpolicy_guidance.bonus_token = bonus
     start = time.perf_counter()
     out = engine.generate_sequences(batch)
     return time.perf_counter() - start, out
@@ -82,6 +86,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="both engines' dtype (e.g. bfloat16)")
     parser.add_argument("--groups", default=str(OffPolicyGuidanceConfig.pipeline_groups),
                         help="offpolicy_guidance.pipeline_groups values, comma-separated")  # fmt: skip
+    parser.add_argument(
+        "--bonus", default="on", help="offpolicy_guidance.bonus_token: on, off or on,off"
+    )
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -95,18 +102,20 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(draft)
     batch = prompts(tok, args.prompts, args.prompt_len)
     ks, groups = [int(k) for k in args.k.split(",")], [int(g) for g in args.groups.split(",")]
-    runs = {"draft-only": (rollout(draft, None, args, 1, tok), 1)}
-    for k in ks:  # one engine pair per k; the number of groups is read at every call
+    bonus = [b == "on" for b in args.bonus.split(",")]
+    runs = {"draft-only": (rollout(draft, None, args, 1, tok), 1, False)}
+    for k in ks:  # one engine pair per k; groups and bonus are read at every call
         engine = rollout(draft, guide, args, k, tok)
-        runs.update({f"guided k={k} g={g}": (engine, g) for g in groups})
+        runs.update({f"guided k={k} g={g}" + ("" if b else " no-bonus"): (engine, g, b)
+                     for g in groups for b in bonus})  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in runs}
     meta = {}
     for _ in range(2):  # warm-up: torch.compile'd helpers specialise on the first shapes they see
-        for engine, g in runs.values():
-            timed(engine, batch, g)
+        for engine, g, b in runs.values():
+            timed(engine, batch, g, b)
     for _ in range(args.repeats):
-        for name, (engine, g) in runs.items():
-            seconds, out = timed(engine, batch, g)
+        for name, (engine, g, b) in runs.items():
+            seconds, out = timed(engine, batch, g, b)
             times[name].append(seconds)
             meta[name] = out.meta_info
             assert int(out.batch["response_mask"].sum()) == args.prompts * args.response
@@ -117,7 +126,8 @@ def main() -> None:
         m = meta[name]
         extra = ""
         if "guidance_tokens_per_emitted" in m:
-            extra = f"  guidance tokens/emitted {m['guidance_tokens_per_emitted']:.2f}  accept {m['accept_rate']:.2f}  rounds {m['rounds']}"
+            extra = (f"  guidance tokens/emitted {m['guidance_tokens_per_emitted']:.2f}  accept {m['accept_rate']:.2f}  "
+                     f"rounds {m['rounds']}  bonus tokens {m['bonus_tokens']}")  # fmt: skip
         print(
             f"{name:22s} median {statistics.median(t):7.2f} s  ({', '.join(f'{x:.2f}' for x in t)}){extra}"
         )

@@ -44,12 +44,16 @@ def test_scores_in_order_then_reports_a_failing_request_and_stops(model):
         chunks_b = [("b", [9, 10, 11], 1, None)]
         process.submit("score", chunks_a, [(0, 3)], 5)
         process.submit("score", chunks_b, [(0, 2)], 5)
-        ids_a, values_a, computed_a = process.result()
-        ids_b, values_b, computed_b = process.result()
+        (ids_a, values_a), (next_ids_a, next_values_a), computed_a = process.result()
+        (ids_b, values_b), _, computed_b = process.result()
         assert ids_a.shape == (3, 6) and ids_b.shape == (2, 6)
         # column 0 is the scored token itself: the next prompt token of each row
         assert ids_a[:, 0].tolist() == [6, 7, 8] and ids_b[:, 0].tolist() == [10, 11]
         assert (values_a <= 0).all() and (values_b <= 0).all()
+        # one row past the chunk's last token: its top-5, column 0 repeating the top-1 entry
+        assert next_ids_a.shape == next_values_a.shape == (1, 6)
+        assert next_ids_a[0, 0] == next_ids_a[0, 1] and next_values_a[0, 0] == next_values_a[0, 1]
+        assert (next_values_a[0, 1:-1] >= next_values_a[0, 2:]).all()  # listed best first
         assert computed_a == 4 and computed_b == 3  # new sessions: every prompt token computed
         # a request the engine rejects raises in the parent with the child's traceback, and the
         # process keeps serving

@@ -15,6 +15,7 @@ from verl.workers.rollout.speculative import (
     ListedRows,
     SpeculativeBatch,
     TopK,
+    draw_bonus,
     overlapped_generate,
     process_log_probs,
     speculative_generate,
@@ -254,6 +255,27 @@ def test_verify_listed_refuses_rows_of_different_proposals():
         verify_listed(torch.tensor([1]), rows, other, 0.5, torch.zeros(1, 2, dtype=D))
 
 
+def test_draw_bonus_hand_values():
+    """λ = 0.5; rows 0 and 1 draw from q (u < λ), row 2 keeps the draft's lookahead token."""
+    draft = _rows([[4, 4, 2, 9], [4, 4, 2, 9], [5, 1, 5, 3]],
+                  [[0.5, 0.5, 0.3, 0.1], [0.5, 0.5, 0.3, 0.1], [0.2, 0.4, 0.2, 0.1]])  # fmt: skip
+    guide = _rows([[2, 2, 4, 7], [2, 2, 4, 7], [1, 1, 3, 0]],
+                  [[0.6, 0.6, 0.3, 0.1], [0.6, 0.6, 0.3, 0.1], [0.7, 0.7, 0.2, 0.05]])  # fmt: skip
+    # row 0: u = 0.2 -> u/λ = 0.4; the guidance's CDF over [2, (repeat), 4, 7] is
+    # [0.6, 0.6, 0.9, 1.0] and 0.4 * 1.0 passes no entry -> token 2 (q 0.6, p 0.3 from the list)
+    # row 1: u = 0.4 -> 0.8 passes 2 entries -> token 4 (q 0.3, p 0.5)
+    # row 2: u = 0.7 >= λ -> the lookahead token 5 (p 0.2), which the guidance does not list
+    tokens, off, log_p, log_q = draw_bonus(draft, guide, 0.5, np.array([0.2, 0.4, 0.7]))
+    assert tokens.tolist() == [2, 4, 5] and off.tolist() == [True, True, False]
+    log = math.log
+    np.testing.assert_allclose(log_p, [log(0.3), log(0.5), log(0.2)], rtol=1e-12)
+    np.testing.assert_allclose(log_q, [log(0.6), log(0.3), float("-inf")], rtol=1e-12)
+    # λ = 0 always keeps the lookahead; λ = 1 always draws from q: row 2's 0.7 * 0.95 = 0.665
+    # passes no entry of [0.7, 0.7, 0.9, 0.95] -> token 1
+    assert draw_bonus(draft, guide, 0.0, np.array([0.0, 0.4, 0.7]))[0].tolist() == [4, 4, 5]
+    assert draw_bonus(draft, guide, 1.0, np.array([0.2, 0.4, 0.7]))[0].tolist() == [2, 2, 1]
+
+
 # ---------------------------------------------------------------------------------------- loop
 
 V = 3
@@ -404,13 +426,20 @@ class ToyStepper:
         self.running: dict[int, list] = {}
         self.shared: list[tuple[int, ...]] = []
 
-    def start(self, key, ids, prefixes, budget):
+    def start(self, key, ids, prefixes, budget, lookahead):
         assert key == self.group_of[ids[0]] and key not in self.running
+        assert not any(lookahead)  # the batches here run without bonus tokens
         self.running[key] = [max(budget), self.engines[key][0](ids, prefixes, budget)]
 
     @property
     def busy(self):
         return bool(self.running)
+
+    def drafting(self, key):
+        return False
+
+    def lookahead(self, key):
+        return None
 
     def step(self):
         self.shared.append(tuple(sorted(self.running)))
@@ -494,3 +523,129 @@ def test_overlapped_generate_follows_q_lambda():
             counts[index[tuple(s.tokens)]] += 1
     probs = torch.tensor([chain_prob(o, lam) for o in outcomes], dtype=D)
     assert _chi2_ok(counts, probs) > 1e-3
+
+
+def chain_rows(table: torch.Tensor, prev: np.ndarray, tokens: np.ndarray) -> ListedRows:
+    """Rows of a chain at states `prev` (N,): column 0 the token, then every token of V."""
+    ids = np.concatenate([tokens[:, None], np.tile(np.arange(V), (len(prev), 1))], axis=1)
+    return ListedRows(ids, np.log(table.numpy()[prev[:, None], ids]))
+
+
+class ListedChainStepper:
+    """The chain draft as a `DraftStepper` with flat rows and lookahead tokens: a round's
+    proposals come after max(budget) steps, its lookahead one step later. Every round draws
+    k + 1 tokens per sequence from its batch's generator, used or not, so what is drawn never
+    depends on timing."""
+
+    def __init__(self, seeds: dict[int, int]):
+        self.gens = {key: np.random.default_rng(seed) for key, seed in seeds.items()}
+        self.running: dict[int, list] = {}
+
+    def start(self, key, ids, prefixes, budget, lookahead):
+        gen, k = self.gens[key], max(budget)
+        states, last = [], np.array([p[-1] for p in prefixes])
+        for _ in range(k + 1):  # inverse CDF of the chain's row at each sequence's last token
+            states.append(last)
+            u = gen.random(len(last))
+            last = (P_CHAIN.numpy()[last].cumsum(-1) <= u[:, None]).sum(-1).clip(max=V - 1)
+        states.append(last)
+        drawn = np.stack(states[1:], axis=1)  # (B, k + 1) tokens
+        prev = np.stack(states[:-1], axis=1)
+        num = torch.tensor(budget)
+        used = np.arange(k) < np.array(budget)[:, None]
+        rows = chain_rows(P_CHAIN, prev[:, :k][used], drawn[:, :k][used])
+        proposals = torch.from_numpy(np.where(used, drawn[:, :k], -1))
+        has = np.array(lookahead)
+        at = np.array(budget)[has]
+        extra = (has, chain_rows(P_CHAIN, prev[has, at], drawn[has, at])) if has.any() else None
+        self.running[key] = [k, (proposals, num, rows), extra, 1 if has.any() else 0]
+
+    @property
+    def busy(self):
+        return any(r[0] > 0 or r[3] > 0 for r in self.running.values())
+
+    def step(self):
+        done = []
+        for key, r in self.running.items():
+            if r[0] > 0:
+                r[0] -= 1
+                if r[0] == 0:
+                    done.append((key, *r[1]))
+            elif r[3] > 0:
+                r[3] -= 1
+        return done
+
+    def drafting(self, key):
+        return self.running[key][3] > 0
+
+    def lookahead(self, key):
+        return self.running.pop(key)[2]
+
+
+class ListedChainScorer(ToyScorer):
+    """The chain guidance with flat rows, and one row past each sequence's last proposal."""
+
+    def __init__(self):
+        super().__init__(None, None)
+
+    def submit(self, ids, prefixes, proposals, num):
+        num_np = num.numpy()
+        last = np.array([p[-1] for p in prefixes])
+        prev = np.concatenate([last[:, None], proposals[:, :-1].clamp(min=0).numpy()], axis=1)
+        used = np.arange(proposals.shape[1]) < num_np[:, None]
+        rows = chain_rows(Q_CHAIN, prev[used], proposals.numpy()[used])
+        end = proposals.numpy()[np.arange(len(num_np)), num_np - 1]
+        following = chain_rows(Q_CHAIN, end, Q_CHAIN.numpy()[end].argmax(-1))
+        self.queue.append((rows, following))
+
+
+def run_bonus_batches(lam: float, k: int, n: int, length: int, stagger: int):
+    """Two batches of n prompts [0] with bonus tokens through `overlapped_generate`."""
+    batches = [SpeculativeBatch([[0]] * n, lam, k, length, None, torch.Generator().manual_seed(41 + g),
+                                ids=list(range(g * n, (g + 1) * n)), bonus=True) for g in range(2)]  # fmt: skip
+    stepper, scorer = ListedChainStepper({0: 51, 1: 52}), ListedChainScorer()
+    overlapped_generate(batches, stepper, scorer, stagger)
+    assert not stepper.running and not scorer.queue
+    return batches
+
+
+@pytest.mark.parametrize(("lam", "k"), [(0.5, 1), (0.5, 2), (0.0, 2), (1.0, 1), (0.8, 2)])
+def test_bonus_tokens_follow_q_lambda(lam, k):
+    """With the draft's lookahead tokens, fully accepted rounds emit a bonus token, and 3-token
+    sequences of 2 x 10,000 prompts still follow the chain mixture q_λ (chi-square); every
+    token's recorded log-probs are the chains' values, and λ = 0 never emits a guidance token."""
+    n, length = 10_000, 3
+    batches = run_bonus_batches(lam, k, n, length, 1)
+    outcomes = list(itertools.product(range(V), repeat=length))
+    index = {o: i for i, o in enumerate(outcomes)}
+    counts = torch.zeros(len(outcomes), dtype=D)
+    for batch in batches:
+        for s in batch.seqs:
+            counts[index[tuple(s.tokens)]] += 1
+    probs = torch.tensor([chain_prob(o, lam) for o in outcomes], dtype=D)
+    assert _chi2_ok(counts, probs) > 1e-3
+    stats = [b.stats for b in batches]
+    assert all(st.bonus > 0 for st in stats)  # each batch emitted bonus tokens
+    assert sum(st.emitted for st in stats) == 2 * n * length
+    seqs = [s for b in batches for s in b.seqs]
+    if lam == 0.0:
+        assert not any(any(s.offpolicy) for s in seqs)
+    tokens = np.array([s.tokens for s in seqs])
+    prevs = np.concatenate([np.zeros((len(seqs), 1), dtype=int), tokens[:, :-1]], axis=1)
+    np.testing.assert_allclose(
+        np.array([s.draft_log_probs for s in seqs]), np.log(P_CHAIN.numpy()[prevs, tokens])
+    )
+    np.testing.assert_allclose(
+        np.array([s.guidance_log_probs for s in seqs]), np.log(Q_CHAIN.numpy()[prevs, tokens])
+    )
+
+
+def test_bonus_tokens_do_not_depend_on_timing():
+    """The same batches with bonus tokens, their rounds overlapping differently (stagger 1 or
+    3), emit the same tokens, provenance and counters: bonus tokens change what is drawn only
+    through the batches' own generators."""
+    one, two = run_bonus_batches(0.5, 2, 50, 7, 1), run_bonus_batches(0.5, 2, 50, 7, 3)
+    for a, b in zip(one, two, strict=True):
+        assert [s.tokens for s in a.seqs] == [s.tokens for s in b.seqs]
+        assert [s.offpolicy for s in a.seqs] == [s.offpolicy for s in b.seqs]
+        assert a.stats == b.stats and a.stats.bonus > 0 and a.stats.rounds > 2

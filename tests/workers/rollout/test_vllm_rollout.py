@@ -144,6 +144,7 @@ def test_sequences_layout_behavior_and_provenance(guided, models):
         draft = p.log().gather(-1, toks.unsqueeze(-1)).squeeze(-1).clamp(min=-1e4)
         torch.testing.assert_close(b["rollout_log_probs"][i, :n].double(), draft, rtol=0, atol=1e-3)
     assert 0.0 < out.meta_info["accept_rate"] <= 1.0 and out.meta_info["rounds"] >= 2
+    assert out.meta_info["bonus_tokens"] > 0  # bonus tokens were emitted and checked above
 
 
 def test_draft_only_when_guidance_disabled(models):

@@ -39,6 +39,8 @@ class OffPolicyGuidanceConfig:
     """Steps over which λ moves from `lam` to `lam_end` (None: the whole run)."""
     num_speculative_tokens: int = 4
     """Draft tokens proposed per round before the guidance scores them."""
+    bonus_token: bool = True
+    """Speculative mode: draft one token past the proposals while they are scored, for a bonus token of q_λ."""
     pipeline_groups: int = 4
     """Speculative mode: staggered groups of the batch, so the guidance scores some while the draft steps others."""
     mix_num_samples: int = 1

@@ -136,13 +136,14 @@ class _Server:
         return self.sessions.capacity(max_tokens_per_session)
 
     def score(self, chunks: list, rows: list[tuple[int, int]], num_logprobs: int) -> tuple:
-        """Run scoring chunks (session id, tokens, max_tokens, recompute_from) and return, for
-        chunk c, prompt log-prob rows rows[c] = (first, count) stacked: token ids (N, K+1) and
-        log-probs (N, K+1), plus the number of tokens the engine computed."""
+        """Run scoring chunks (session id, tokens, max_tokens=1, recompute_from) and return
+        ((ids, log-probs) of the prompt log-prob rows rows[c] = (first, count) of each chunk c,
+        stacked (N, K+1); (ids, log-probs) (C, K+1) of the top-K one position past each chunk's
+        tokens; the number of tokens the engine computed)."""
         from vllm import SamplingParams
 
         def new_params(sid: str, max_tokens: int):
-            return SamplingParams(max_tokens=max_tokens, prompt_logprobs=num_logprobs,
+            return SamplingParams(max_tokens=max_tokens, prompt_logprobs=num_logprobs, logprobs=num_logprobs,
                                   detokenize=False, skip_clone=True)  # fmt: skip
 
         before = self.sessions.tokens_computed
@@ -151,7 +152,12 @@ class _Server:
                   for c, (first, count) in zip(chunks, rows, strict=True)]  # fmt: skip
         ids = np.concatenate([lp.logprob_token_ids[f : f + n].numpy() for lp, f, n in picked])
         values = np.concatenate([lp.logprobs[f : f + n].numpy() for lp, f, n in picked])
-        return ids, values, self.sessions.tokens_computed - before
+        # the one sampled token's row: column 0 is this engine's own (unseeded) draw, so it is
+        # replaced by the top-1 entry (a repeat), leaving the deterministic top-K listed
+        next_ids = np.stack([results[c[0]].logprob_ids[0] for c in chunks])
+        next_values = np.stack([results[c[0]].logprobs[0] for c in chunks])
+        next_ids[:, 0], next_values[:, 0] = next_ids[:, 1], next_values[:, 1]
+        return (ids, values), (next_ids, next_values), self.sessions.tokens_computed - before
 
     def close(self, session_ids=None) -> None:
         self.sessions.close(session_ids)

@@ -7,9 +7,12 @@ q_λ = (1-λ)·p + λ·q. One round for a batch of sequences:
   3. x_i is accepted with probability min(1, q_λ(x_i)/p(x_i)) = min(1, (1-λ) + λ·q(x_i)/p(x_i));
   4. at the first rejection a token y ~ r(y) ∝ max(0, q(y) - p(y)) is emitted instead, marked
      off-policy, and the remaining proposals are dropped.
+  5. after a fully accepted round, a bonus token of q_λ when the draft already drafted one token
+     x ~ p past its proposals (while the guidance scored them) and the guidance reports q there:
+     with probability λ a draw y ~ q (marked off-policy), otherwise x (`draw_bonus`).
 This is speculative sampling with target q_λ and proposal p, so every emitted token is an exact
-sample of q_λ given its prefix (Leviathan et al., https://arxiv.org/abs/2211.17192). No bonus
-token is drawn after a fully accepted round; the next round continues from the new prefix.
+sample of q_λ given its prefix (Leviathan et al., https://arxiv.org/abs/2211.17192); the bonus
+is that paper's extra token, drawn from the mixture by its two components.
 
 This module imports neither vLLM nor torch.distributed: it works on token ids and log-prob
 tables (dense (B, k, V), or the engines' top-K lists as `TopK`), so it is tested exactly on
@@ -143,6 +146,11 @@ class ListedRows:
     def tail_mass(self) -> np.ndarray:
         """(N,) probability mass not listed: 1 - sum of the listed probabilities, >= 0."""
         return np.clip(1.0 - np.exp(self.deduped()).sum(-1), 0.0, None)
+
+    def lookup(self, tokens: np.ndarray) -> np.ndarray:
+        """Log-probs of `tokens` (N, M) in each row: (N, M), -inf where a token is not listed."""
+        hit = tokens[:, :, None] == self.ids[:, None, :]  # (N, M, K+1)
+        return np.where(hit, self.deduped()[:, None, :], NEG_INF).max(-1)
 
     def as_topk(self, num: torch.Tensor, width: int) -> TopK:
         """The same tables padded to a `TopK` (B, width, K+1) (id -1 / log-prob -inf)."""
@@ -284,9 +292,7 @@ def verify_listed(
         at = starts[rows] + first[rows]  # the rejected positions' row indices
         candidates = guidance.ids[at]  # (R, K+1): only tokens with q > 0 can have q > p
         q_c = ListedRows(candidates, guidance.log_probs[at]).deduped()
-        listed_p = ListedRows(draft.ids[at], draft.log_probs[at]).deduped()
-        hit = candidates[:, :, None] == draft.ids[at][:, None, :]
-        p_c = np.where(hit, listed_p[:, None, :], NEG_INF).max(-1)
+        p_c = ListedRows(draft.ids[at], draft.log_probs[at]).lookup(candidates)
         residual = np.clip(np.exp(q_c) - np.exp(p_c), 0.0, None)
         empty = residual.sum(-1, keepdims=True) <= 0  # only reachable through rounding: use q
         residual = np.where(empty, np.exp(q_c), residual)
@@ -304,6 +310,44 @@ def verify_listed(
         draft_log_probs=torch.from_numpy(log_p),
         guidance_log_probs=torch.from_numpy(log_q),
     )
+
+
+@dataclass
+class BonusRows:
+    """What a fully accepted round's bonus token is drawn from, per sequence of the round (B):
+    `has` (B,) whether the draft drafted a lookahead token past its proposals, `draft` (H, K+1)
+    one row per such sequence (column 0 the lookahead token x ~ p, then the draft's top-K, H =
+    has.sum()), `guidance` (B, K+1) the guidance's listed q one position past each sequence's
+    last proposal (column 0 repeats a top-K token), processed like the proposals' rows."""
+
+    has: np.ndarray
+    draft: ListedRows
+    guidance: ListedRows
+
+
+def draw_bonus(
+    draft: ListedRows, guidance: ListedRows, lam: float, uniforms: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The token past a fully accepted round, from q_λ = (1-λ)p + λq by its components: if u < λ
+    a draw y ~ q among the guidance's listed tokens (inverse CDF in listed order with u/λ, which
+    is uniform given u < λ), marked off-policy; otherwise the draft's lookahead x ~ p (column 0).
+
+    Rows (R, K+1) as in `ListedRows`, uniforms (R,); returns (R,) arrays: tokens, off-policy,
+    log p and log q of each token (-inf where a row does not list it).
+    Paper: https://arxiv.org/abs/2211.17192 (the extra token after k accepted proposals).
+    """
+    _check_lam(lam)
+    u = np.asarray(uniforms, dtype=np.float64)
+    from_q = u < lam
+    with np.errstate(divide="ignore", invalid="ignore"):  # λ = 0: no row draws from q
+        v = np.where(from_q, u / lam, 0.0)
+    cdf = np.exp(guidance.deduped()).cumsum(-1)
+    pick = (cdf <= (v * cdf[:, -1])[:, None]).sum(-1).clip(max=cdf.shape[-1] - 1)
+    y = guidance.ids[np.arange(len(u)), pick]
+    tokens = np.where(from_q, y, draft.ids[:, 0])
+    log_p = draft.lookup(tokens[:, None])[:, 0]
+    log_q = guidance.lookup(tokens[:, None])[:, 0]
+    return tokens, from_q, log_p, log_q
 
 
 def _check_lam(lam: float) -> None:
@@ -336,6 +380,7 @@ class RoundStats:
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0
+    bonus: int = 0
 
     def add(self, other: RoundStats) -> None:
         """Accumulate the counters of another generation (e.g. the next wave of sequences)."""
@@ -343,6 +388,7 @@ class RoundStats:
         self.proposed += other.proposed
         self.accepted += other.accepted
         self.emitted += other.emitted
+        self.bonus += other.bonus
 
     @property
     def accept_rate(self) -> float:
@@ -356,7 +402,9 @@ class SpeculativeBatch:
     `next_round()` gives the active sequences' (ids, prefixes, budget); the draft proposes and
     the guidance scores them; `apply(...)` verifies the round and appends the emitted tokens.
     `ids` are the engines' names for the prompts (default: their positions); engines may keep
-    per-sequence state under them (vLLM sessions).
+    per-sequence state under them (vLLM sessions). With `bonus`, a round may also hand `apply`
+    the draft's lookahead tokens (`BonusRows`): a fully accepted sequence then emits one token
+    more (`draw_bonus`).
     """
 
     def __init__(
@@ -368,8 +416,9 @@ class SpeculativeBatch:
         eos_token_id: int | None,
         generator: torch.Generator | None = None,
         ids: list[int] | None = None,
+        bonus: bool = False,
     ) -> None:
-        self.prompts, self.lam, self.generator = prompts, lam, generator
+        self.prompts, self.lam, self.generator, self.bonus = prompts, lam, generator, bonus
         self.k, self.max_new_tokens, self.eos_token_id = (
             num_speculative_tokens,
             max_new_tokens,
@@ -380,6 +429,9 @@ class SpeculativeBatch:
         self.stats = RoundStats()
         self._rows: list[int] = []
         self._budget: list[int] = []
+        self.lookahead: list[bool] = []
+        """Per active sequence of the open round: the draft may draft one token past its budget
+        (for a bonus token; only with `bonus` and room for one more token)."""
 
     @property
     def done(self) -> bool:
@@ -390,9 +442,9 @@ class SpeculativeBatch:
         """(ids, prefixes, budget) of the active sequences: prompt + emitted tokens, and how many
         tokens the draft may propose for each (at most k, never past `max_new_tokens`)."""
         self._rows = [r for r, s in enumerate(self.seqs) if not s.finished]
-        self._budget = [
-            min(self.k, self.max_new_tokens - len(self.seqs[r].tokens)) for r in self._rows
-        ]
+        room = [self.max_new_tokens - len(self.seqs[r].tokens) for r in self._rows]
+        self._budget = [min(self.k, left) for left in room]
+        self.lookahead = [self.bonus and left > self.k for left in room]
         prefixes = [self.prompts[r] + self.seqs[r].tokens for r in self._rows]
         return [self.ids[r] for r in self._rows], prefixes, list(self._budget)
 
@@ -402,9 +454,11 @@ class SpeculativeBatch:
         num_proposed: torch.Tensor,
         draft_tables: torch.Tensor | TopK | ListedRows,
         guidance_tables: torch.Tensor | TopK | ListedRows,
+        bonus: BonusRows | None = None,
     ) -> None:
         """Verify the round that `next_round()` opened (tensors as in `verify_proposals`, one row
-        per active sequence, or both tables as `ListedRows`) and append what it emits."""
+        per active sequence, or both tables as `ListedRows`) and append what it emits, with a
+        bonus token after each fully accepted proposal run that `bonus` has a lookahead for."""
         uniforms = torch.rand(
             proposals.shape[0], self.k + 1, generator=self.generator, dtype=torch.float64
         )
@@ -416,27 +470,56 @@ class SpeculativeBatch:
         self.stats.rounds += 1
         self.stats.proposed += int(num_proposed.sum())
         self.stats.accepted += int(result.num_accepted.sum())
+        extra = self._bonus(result, num_proposed, bonus, uniforms[:, -1].numpy())
         columns = zip(result.tokens.tolist(), result.offpolicy.tolist(),
                       result.draft_log_probs.tolist(), result.guidance_log_probs.tolist(),
                       result.num_emitted.tolist(), strict=True)  # fmt: skip
-        for r, budget, (tokens, off, lp, lq, emitted) in zip(
-            self._rows, self._budget, columns, strict=True
+        for i, (r, budget, (tokens, off, lp, lq, emitted)) in enumerate(
+            zip(self._rows, self._budget, columns, strict=True)
         ):
-            seq = self.seqs[r]
             if emitted == 0:
                 raise RuntimeError(
                     f"sequence {self.ids[r]}: the draft proposed no token (budget {budget})"
                 )
-            if self.eos_token_id in tokens[:emitted]:
-                emitted = tokens.index(self.eos_token_id) + 1
-                seq.finished = True
-            seq.tokens += tokens[:emitted]
-            seq.offpolicy += off[:emitted]
-            seq.draft_log_probs += lp[:emitted]
-            seq.guidance_log_probs += lq[:emitted]
-            self.stats.emitted += emitted
-            if len(seq.tokens) >= self.max_new_tokens:
-                seq.finished = True
+            self._append(r, tokens[:emitted], off[:emitted], lp[:emitted], lq[:emitted])
+            if i in extra and not self.seqs[r].finished:
+                self._append(r, *([value] for value in extra[i]))
+                self.stats.bonus += 1
+
+    def _bonus(
+        self, result: VerifyResult, num: torch.Tensor, bonus: BonusRows | None, u: np.ndarray
+    ) -> dict[int, tuple]:
+        """Bonus tokens by round row: (token, off-policy, log p, log q) where every proposal was
+        accepted and the draft drafted a lookahead. The uniform is the residual's column, which
+        a round without rejection leaves unused."""
+        if bonus is None or not bonus.has.any():
+            return {}
+        full = bonus.has & (result.num_accepted == num).numpy()
+        rows = np.flatnonzero(full)
+        if not len(rows):
+            return {}
+        at = (np.cumsum(bonus.has) - 1)[rows]  # the lookahead rows of those sequences
+        draft = ListedRows(bonus.draft.ids[at], bonus.draft.log_probs[at])
+        guidance = ListedRows(bonus.guidance.ids[rows], bonus.guidance.log_probs[rows])
+        drawn = draw_bonus(draft, guidance, self.lam, u[rows])
+        return {
+            int(r): values for r, *values in zip(rows, *(d.tolist() for d in drawn), strict=True)
+        }
+
+    def _append(self, r: int, tokens: list, off: list, lp: list, lq: list) -> None:
+        """Append emitted tokens to sequence r, ending it at EOS or `max_new_tokens`."""
+        seq = self.seqs[r]
+        if self.eos_token_id in tokens:
+            end = tokens.index(self.eos_token_id) + 1
+            tokens, off, lp, lq = tokens[:end], off[:end], lp[:end], lq[:end]
+            seq.finished = True
+        seq.tokens += tokens
+        seq.offpolicy += off
+        seq.draft_log_probs += lp
+        seq.guidance_log_probs += lq
+        self.stats.emitted += len(tokens)
+        if len(seq.tokens) >= self.max_new_tokens:
+            seq.finished = True
 
 
 def speculative_generate(
@@ -471,18 +554,32 @@ def speculative_generate(
 class DraftStepper(Protocol):
     """The draft engine one step at a time: rounds of several batches may run in the same step."""
 
-    def start(self, key: int, ids: list[int], prefixes: list[list[int]], budget: list[int]) -> None:
-        """Begin batch `key`'s proposals (up to budget[b] tokens per prefix)."""
+    def start(
+        self,
+        key: int,
+        ids: list[int],
+        prefixes: list[list[int]],
+        budget: list[int],
+        lookahead: list[bool],
+    ) -> None:
+        """Begin batch `key`'s proposals (up to budget[b] tokens per prefix), and where
+        lookahead[b] one token more, drafted after the round is returned (may be ignored)."""
 
     @property
     def busy(self) -> bool:
-        """Some round is still proposing."""
+        """Some round is still proposing or drafting its lookahead."""
 
     def step(
         self,
     ) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | TopK | ListedRows]]:
         """One engine step; returns (key, proposals, num_proposed, draft tables) of the rounds
         whose proposals all finished in it (shapes as `ProposeFn`'s)."""
+
+    def drafting(self, key: int) -> bool:
+        """Round `key` was returned and its lookahead tokens are still being drafted."""
+
+    def lookahead(self, key: int) -> tuple[np.ndarray, ListedRows] | None:
+        """Round `key`'s lookahead once drafted, as `BonusRows`' (has, draft); None if none."""
 
 
 class AsyncScorer(Protocol):
@@ -496,21 +593,23 @@ class AsyncScorer(Protocol):
     def ready(self) -> bool:
         """The oldest submitted round's tables can be collected without waiting."""
 
-    def collect(self) -> torch.Tensor | TopK | ListedRows:
+    def collect(self) -> torch.Tensor | TopK | ListedRows | tuple[ListedRows, ListedRows]:
         """The guidance tables (B, k, V), `TopK` or `ListedRows` of the oldest submitted round
-        (waits if needed)."""
+        (waits if needed), or `ListedRows` paired with the rows one position past each
+        sequence's last proposal (`BonusRows.guidance`)."""
 
 
 def overlapped_generate(
     batches: list[SpeculativeBatch], draft: DraftStepper, guidance: AsyncScorer, stagger: int
 ) -> None:
     """Run several batches so the engines overlap: while the guidance scores one batch's round,
-    the draft keeps stepping the rounds of the others, and never waits while it has work.
+    the draft keeps stepping the rounds of the others (and that round's lookahead tokens), and
+    never waits while it has work.
 
     Batch g starts after g * `stagger` draft steps, so the batches' rounds fall out of phase and
     a draft step usually holds more than one batch. Each batch still runs its rounds in order
     with its own generator, so its tokens are exactly those it gets alone with the same engines
-    and follow q_λ as with `speculative_generate`.
+    and follow q_λ as with `speculative_generate` (plus bonus tokens, see `SpeculativeBatch`).
     """
     pending = deque(range(len(batches)))  # not started yet
     rounds: dict[int, tuple[list[int], list[list[int]]]] = {}
@@ -520,7 +619,12 @@ def overlapped_generate(
     def start(key: int) -> None:
         ids, prefixes, budget = batches[key].next_round()
         rounds[key] = (ids, prefixes)
-        draft.start(key, ids, prefixes, budget)
+        draft.start(key, ids, prefixes, budget, batches[key].lookahead)
+
+    def verifiable() -> bool:  # the oldest round's answer is in (or nothing else can happen)
+        if draft.drafting(in_flight[0][0]):
+            return False
+        return guidance.ready() or not (draft.busy or pending)
 
     while pending or draft.busy or in_flight:
         while pending and (steps >= pending[0] * stagger or not draft.busy):
@@ -533,8 +637,16 @@ def overlapped_generate(
                 guidance.submit(*rounds[key], proposals, num)
                 in_flight.append((key, proposals, num, draft_tables))
         # verify what the guidance answered; wait for it only when the draft has nothing to do
-        while in_flight and (guidance.ready() or not (draft.busy or pending)):
+        while in_flight and verifiable():
             key, proposals, num, draft_tables = in_flight.popleft()
-            batches[key].apply(proposals, num, draft_tables, guidance.collect())
+            tables, following = _split_answer(guidance.collect())
+            extra = draft.lookahead(key)
+            bonus = None if extra is None or following is None else BonusRows(*extra, following)
+            batches[key].apply(proposals, num, draft_tables, tables, bonus)
             if not batches[key].done:
                 start(key)
+
+
+def _split_answer(answer) -> tuple:
+    """(tables, rows past the proposals or None) from `AsyncScorer.collect`'s answer."""
+    return answer if isinstance(answer, tuple) else (answer, None)

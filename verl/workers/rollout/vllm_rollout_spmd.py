@@ -162,23 +162,25 @@ class VLLMRollout:
         self._counters.submitted += sum(len(tokens) for _, tokens, *_ in chunks)
         self._in_flight += 1
 
-    def _collect_score(self) -> ListedRows:
-        """The guidance's listed log-probs of the oldest round submitted, one row per proposal
-        (processed like the draft's)."""
+    def _collect_score(self) -> tuple[ListedRows, ListedRows]:
+        """The guidance's listed log-probs of the oldest round submitted, one row per proposal,
+        and one row per sequence one position past its last proposal (for a bonus token), both
+        processed like the draft's."""
         self._in_flight -= 1
-        ids, values, computed = self.engines.guidance.result()
+        (ids, values), (next_ids, next_values), computed = self.engines.guidance.result()
         self._counters.computed += computed
         tables = ListedRows(ids, values)
         self._counters.tail_mass.append(tables.tail_mass())
+        following = ListedRows(next_ids, next_values)
         processing = self._guidance_processing()
         if (
             processing["temperature"] == 1.0
             and processing["top_k"] in (-1, 0, None)
             and processing["top_p"] >= 1.0
         ):
-            return tables  # raw = processed: exact for every listed token, even with top-K tables
+            return tables, following  # raw = processed: exact for every listed token
         # with top-K tables the renormalisation over K tokens is approximate (tail mass reported)
-        return tables.processed(**processing)
+        return tables.processed(**processing), following.processed(**processing)
 
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -243,7 +245,7 @@ class VLLMRollout:
             groups = np.array_split(np.arange(len(part)), min(guidance.pipeline_groups, len(part)))
             batches = [SpeculativeBatch([part[i] for i in g], lam, guidance.num_speculative_tokens, self._max_tokens, eos,
                                         torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=gen))),
-                                        ids=g.tolist()) for g in groups]  # fmt: skip
+                                        ids=g.tolist(), bonus=guidance.bonus_token) for g in groups]  # fmt: skip
             draft = _DraftRounds(self.draft_sessions, f"d{self._call}-",
                                  lambda i, m, seeds=seeds: self._draft_params(m, self.num_logprobs, int(seeds[i])))  # fmt: skip
             scorer = _Scorer(self._submit_score, self.engines.guidance.ready, self._collect_score)
@@ -351,47 +353,72 @@ class _Scorer:
     collect: Callable[[], ListedRows]
 
 
+@dataclass
+class _Round:
+    sids: list[str]
+    budget: list[int]
+    outs: list  # the sessions' chunk outputs, filled in place as the engine steps
+    returned: bool = False  # its proposals were handed out (its lookahead may still run)
+
+
 class _DraftRounds:
     """The draft engine's sessions as `speculative.DraftStepper`: rounds of several batches
-    share engine steps; a round is returned once all its sequences finished proposing."""
+    share engine steps; a round is returned once all its sequences finished proposing, and its
+    lookahead tokens (a chunk's one token past the budget) are drafted in the steps after."""
 
     def __init__(self, sessions: SessionEngine, prefix: str, new_params: Callable) -> None:
         self.sessions, self.prefix, self.new_params = sessions, prefix, new_params
-        self.rounds: dict[
-            int, tuple[list[str], list[int], dict]
-        ] = {}  # key -> sids, budget, outputs
-        self.owner: dict[str, int] = {}  # running session id -> its round's key
+        self.rounds: dict[int, _Round] = {}
 
-    def start(self, key: int, ids: list[int], prefixes: list[list[int]], budget: list[int]) -> None:
+    def start(
+        self,
+        key: int,
+        ids: list[int],
+        prefixes: list[list[int]],
+        budget: list[int],
+        lookahead: list[bool],
+    ) -> None:
         sids = [f"{self.prefix}{i}" for i in ids]
         index = dict(zip(sids, ids, strict=True))
-        self.sessions.add([(sid, prefix, b, None) for sid, prefix, b in zip(sids, prefixes, budget, strict=True)],
-                          lambda sid, max_tokens: self.new_params(index[sid], max_tokens))  # fmt: skip
-        self.rounds[key] = (sids, budget, {})
-        self.owner.update(dict.fromkeys(sids, key))
+        chunks = [(sid, prefix, b + extra, None)
+                  for sid, prefix, b, extra in zip(sids, prefixes, budget, lookahead, strict=True)]  # fmt: skip
+        outs = self.sessions.add(chunks, lambda sid, m: self.new_params(index[sid], m))
+        self.rounds[key] = _Round(sids, list(budget), outs)
 
     @property
     def busy(self) -> bool:
         return self.sessions.busy
 
     def step(self) -> list[tuple[int, torch.Tensor, torch.Tensor, ListedRows]]:
+        self.sessions.step()
         done = []
-        for sid, out in self.sessions.step().items():
-            key = self.owner.pop(sid)
-            sids, budget, outputs = self.rounds[key]
-            outputs[sid] = out
-            if len(outputs) == len(sids):
-                del self.rounds[key]
-                done.append((key, *draft_tables([outputs[s] for s in sids], budget)))
+        for key, r in self.rounds.items():
+            if not r.returned and all(
+                o.finished or len(o.token_ids) >= b for o, b in zip(r.outs, r.budget, strict=True)
+            ):
+                r.returned = True
+                done.append((key, *draft_tables(r.outs, r.budget)))
         return done
+
+    def drafting(self, key: int) -> bool:
+        return not all(o.finished for o in self.rounds[key].outs)
+
+    def lookahead(self, key: int) -> tuple[np.ndarray, ListedRows] | None:
+        r = self.rounds.pop(key)
+        has = np.array([len(o.token_ids) > b for o, b in zip(r.outs, r.budget, strict=True)])
+        if not has.any():
+            return None
+        extra = [(o.logprob_ids[b], o.logprobs[b]) for o, b, h in zip(r.outs, r.budget, has, strict=True) if h]  # fmt: skip
+        return has, ListedRows(np.stack([i for i, _ in extra]), np.stack([v for _, v in extra]))
 
 
 def draft_tables(outs: list, budget: list[int]) -> tuple[torch.Tensor, torch.Tensor, ListedRows]:
     """Proposals (B, k) with -1 padding, their number (B,) and the draft's listed log-probs, one
-    row per proposal (sampled token, then the top-K, processed), from the sessions' chunks."""
-    num = torch.tensor([len(o.token_ids) for o in outs], dtype=torch.long)
-    rows = ListedRows(np.stack([row for o in outs for row in o.logprob_ids]),
-                      np.stack([row for o in outs for row in o.logprobs]))  # fmt: skip
+    row per proposal (sampled token, then the top-K, processed), from the sessions' chunks (the
+    first budget[b] tokens of each: a chunk may run on to draft a lookahead token)."""
+    num = torch.tensor([min(len(o.token_ids), b) for o, b in zip(outs, budget, strict=True)])
+    rows = ListedRows(np.stack([row for o, n in zip(outs, num.tolist(), strict=True) for row in o.logprob_ids[:n]]),
+                      np.stack([row for o, n in zip(outs, num.tolist(), strict=True) for row in o.logprobs[:n]]))  # fmt: skip
     proposals = torch.full((len(outs), max(budget)), -1, dtype=torch.long)
     proposals[torch.arange(max(budget)) < num.unsqueeze(-1)] = torch.from_numpy(
         rows.ids[:, 0]
@@ -436,7 +463,7 @@ class _Counters:
         meta = {"lam": lam, "emitted_tokens": emitted, "guidance_tokens_computed": self.computed,
                 "guidance_tokens_submitted": self.submitted}  # fmt: skip
         if stats is not None:
-            meta.update(accept_rate=stats.accept_rate, rounds=stats.rounds, proposed_tokens=stats.proposed,
+            meta.update(accept_rate=stats.accept_rate, rounds=stats.rounds, proposed_tokens=stats.proposed, bonus_tokens=stats.bonus,
                         guidance_tokens_per_emitted=self.computed / max(emitted, 1))  # fmt: skip
         if self.tail_mass:
             meta["topk_tail_mass"] = float(np.concatenate(self.tail_mass).mean())

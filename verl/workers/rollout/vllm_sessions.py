@@ -32,6 +32,8 @@ class ChunkOutput:
     prompt_logprobs: object | None = None
     """vLLM `LogprobsTensors` of the chunk's prompt: row t scores token t+1 (rows of the kept
     prefix are unset)."""
+    finished: bool = False
+    """The chunk stopped (its `max_tokens`, or a stop token)."""
 
 
 class SessionEngine:
@@ -99,8 +101,9 @@ class SessionEngine:
         self,
         chunks: list[tuple[str, list[int], int, int | None]],
         new_params: Callable[[str, int], object],
-    ) -> None:
-        """Queue one chunk per session (as in `run`); they join the engine's next step."""
+    ) -> list[ChunkOutput]:
+        """Queue one chunk per session (as in `run`); they join the engine's next step. Returns
+        their outputs, which fill in place as the engine steps."""
         from vllm.inputs import TokensPrompt
 
         for sid, tokens, max_tokens, recompute_from in chunks:
@@ -118,6 +121,7 @@ class SessionEngine:
                 request = _rewind_request(first, tokens, max_tokens, recompute_from)
             self._client.add_request(request)
             self._running[sid] = ChunkOutput()
+        return [self._running[sid] for sid, *_ in chunks]
 
     @property
     def busy(self) -> bool:
@@ -145,6 +149,7 @@ class SessionEngine:
             if out.new_prompt_logprobs_tensors is not None:
                 result.prompt_logprobs = out.new_prompt_logprobs_tensors
             if out.finish_reason is not None:
+                result.finished = True
                 finished[out.request_id] = self._running.pop(out.request_id)
         return finished
 
