@@ -133,10 +133,11 @@ class ListedRows:
     log_probs: np.ndarray
 
     def deduped(self) -> np.ndarray:
-        """`log_probs` with every repeat of a row's earlier entry set to -inf (see `TopK.dedupe`)."""
-        same = self.ids[:, :, None] == self.ids[:, None, :]  # (N, K+1, K+1)
-        repeat = np.tril(same, -1).any(-1)
-        return np.where(repeat, NEG_INF, self.log_probs.astype(np.float64))
+        """`log_probs` (float64) with column 0's repeat among the top-K set to -inf (see
+        `TopK.dedupe`): the top-K entries are distinct, so only column 0 can reappear."""
+        values = self.log_probs.astype(np.float64)
+        values[:, 1:][self.ids[:, 1:] == self.ids[:, :1]] = NEG_INF
+        return values
 
     def processed(self, **processing) -> ListedRows:
         """`process_log_probs` over each row's listed tokens (repeats dropped, renormalised)."""

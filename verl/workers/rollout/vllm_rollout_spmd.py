@@ -350,12 +350,11 @@ class _Scorer:
 
     submit: Callable
     ready: Callable[[], bool]
-    collect: Callable[[], ListedRows]
+    collect: Callable[[], tuple[ListedRows, ListedRows]]
 
 
 @dataclass
 class _Round:
-    sids: list[str]
     budget: list[int]
     outs: list  # the sessions' chunk outputs, filled in place as the engine steps
     returned: bool = False  # its proposals were handed out (its lookahead may still run)
@@ -383,7 +382,7 @@ class _DraftRounds:
         chunks = [(sid, prefix, b + extra, None)
                   for sid, prefix, b, extra in zip(sids, prefixes, budget, lookahead, strict=True)]  # fmt: skip
         outs = self.sessions.add(chunks, lambda sid, m: self.new_params(index[sid], m))
-        self.rounds[key] = _Round(sids, list(budget), outs)
+        self.rounds[key] = _Round(list(budget), outs)
 
     @property
     def busy(self) -> bool:
