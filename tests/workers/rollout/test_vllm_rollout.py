@@ -78,6 +78,19 @@ def next_token_probs(path: str, prompt: list[int], temperature: float) -> torch.
     return torch.softmax(logits / temperature, -1)
 
 
+def chi2_pvalue(tokens: torch.Tensor, target: torch.Tensor) -> float:
+    """Chi-square p-value of sampled `tokens` against the distribution `target` (V,), the cells
+    expected fewer than 5 times pooled into one."""
+    n = len(tokens)
+    counts = torch.bincount(tokens, minlength=VOCAB).double()
+    cells = target * n >= 5
+    observed, expected = counts[cells], target[cells] * n
+    if (~cells).any():
+        observed = torch.cat([observed, counts[~cells].sum().view(1)])
+        expected = torch.cat([expected, target[~cells].sum().view(1) * n])
+    return chisquare(observed.numpy(), expected.numpy()).pvalue
+
+
 @pytest.mark.parametrize(
     ("lam", "temperature"), [(0.0, 1.0), (0.5, 1.0), (1.0, 1.0), (0.0, 0.7), (0.5, 0.7), (1.0, 0.7)]
 )
@@ -91,13 +104,7 @@ def test_first_token_follows_q_lambda(guided, models, lam, temperature):
     p = next_token_probs(models[0], prompt, temperature)
     q = next_token_probs(models[1], prompt, temperature)
     target = (1 - lam) * p + lam * q
-    counts = torch.bincount(first, minlength=VOCAB).double()
-    cells = target * N >= 5  # pool the rare tokens into one cell (when there are any)
-    observed, expected = counts[cells], target[cells] * N
-    if (~cells).any():
-        observed = torch.cat([observed, counts[~cells].sum().view(1)])
-        expected = torch.cat([expected, target[~cells].sum().view(1) * N])
-    assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
+    assert chi2_pvalue(first, target) > 1e-3
     off = out.batch["offpolicy_mask"][:, 0]
     if lam == 0.0:
         assert not off.any()  # λ = 0 never emits a guidance token
@@ -110,6 +117,42 @@ def test_first_token_follows_q_lambda(guided, models, lam, temperature):
         out.batch["behavior_log_probs"][:, 0].double(), target.log()[first], rtol=0, atol=1e-3
     )
     assert out.meta_info["lam"] == lam and out.meta_info["topk_tail_mass"] < 1e-5
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_bonus_token_follows_q_lambda(guided, models, temperature):
+    """k = 1, two tokens: a sequence whose first proposal is accepted gets its second token as
+    a bonus token (drawn from q with probability λ, else the draft's lookahead). The second
+    tokens follow the exact marginal sum_x q_λ(x | prompt) q_λ(· | prompt, x) over first tokens
+    x other than EOS (chi-square; both q_λ from HF forwards of both models)."""
+    from transformers import AutoModelForCausalLM
+
+    rollout, tok = guided
+    lam, guidance = 0.5, rollout.config.offpolicy_guidance
+    guidance.num_speculative_tokens = 1  # read at every call
+    try:
+        out = rollout.generate_sequences(
+            prompt_batch(tok, ["7+"], n=N, lam=lam, temperature=temperature, max_tokens=2)
+        )
+    finally:
+        guidance.num_speculative_tokens = RolloutConfig().offpolicy_guidance.num_speculative_tokens
+    assert out.meta_info["bonus_tokens"] > N // 2  # most second tokens are bonus tokens
+    responses, lengths = out.batch["responses"], out.batch["response_mask"].sum(-1)
+    second = responses[lengths == 2, 1]
+    prompt = tok("7+")["input_ids"]
+    mixtures = []
+    for_each_first = torch.tensor([[*prompt, x] for x in range(VOCAB)])
+    for path in models:  # rows: next-token probs after prompt + x, for every first token x
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            logits = model(for_each_first).logits[:, -1].double()
+        mixtures.append(torch.softmax(logits / temperature, -1))
+    after_first = (1 - lam) * mixtures[0] + lam * mixtures[1]  # (V, V)
+    p, q = (next_token_probs(path, prompt, temperature) for path in models)
+    first = (1 - lam) * p + lam * q
+    first[tok.eos_token_id] = 0.0  # EOS ends the sequence: no second token
+    marginal = (first / first.sum()) @ after_first
+    assert len(second) > 0.9 * N and chi2_pvalue(second, marginal) > 1e-3
 
 
 def test_sequences_layout_behavior_and_provenance(guided, models):
