@@ -320,19 +320,24 @@ def chain_prob(seq, lam, start=0, eos=None):
     return prob
 
 
-@pytest.mark.parametrize(("lam", "k"), [(0.5, 1), (0.5, 2), (0.5, 4), (1.0, 3), (0.0, 2), (0.8, 3)])
-def test_generated_sequences_follow_q_lambda(lam, k):
-    n, length = 30_000, 3
-    gen = torch.Generator().manual_seed(k * 10 + int(lam * 10))
-    propose, score = toy_engines(gen)
-    seqs, stats = speculative_generate([[0]] * n, propose, score, lam, k, length, None, gen)
+def chain_pvalue(seqs: list, lam: float, length: int) -> float:
+    """Chi-square p-value of `length`-token sequences from token 0 against the chain mixture."""
     outcomes = list(itertools.product(range(V), repeat=length))
     index = {o: i for i, o in enumerate(outcomes)}
     counts = torch.zeros(len(outcomes), dtype=D)
     for s in seqs:
         counts[index[tuple(s.tokens)]] += 1
     probs = torch.tensor([chain_prob(o, lam) for o in outcomes], dtype=D)
-    assert _chi2_ok(counts, probs) > 1e-3
+    return _chi2_ok(counts, probs)
+
+
+@pytest.mark.parametrize(("lam", "k"), [(0.5, 1), (0.5, 2), (0.5, 4), (1.0, 3), (0.0, 2), (0.8, 3)])
+def test_generated_sequences_follow_q_lambda(lam, k):
+    n, length = 30_000, 3
+    gen = torch.Generator().manual_seed(k * 10 + int(lam * 10))
+    propose, score = toy_engines(gen)
+    seqs, stats = speculative_generate([[0]] * n, propose, score, lam, k, length, None, gen)
+    assert chain_pvalue(seqs, lam, length) > 1e-3
     assert stats.emitted == n * length
     if lam == 0.0:
         assert stats.accept_rate == 1.0 and not any(any(s.offpolicy) for s in seqs)
@@ -515,14 +520,7 @@ def test_overlapped_generate_follows_q_lambda():
     batches = [SpeculativeBatch([[0]] * n, lam, 2, length, None, torch.Generator().manual_seed(41 + g),
                                 ids=list(range(g * n, (g + 1) * n))) for g in range(2)]  # fmt: skip
     overlapped_generate(batches, ToyStepper(engines, group_of), ToyScorer(engines, group_of), 1)
-    outcomes = list(itertools.product(range(V), repeat=length))
-    index = {o: i for i, o in enumerate(outcomes)}
-    counts = torch.zeros(len(outcomes), dtype=D)
-    for batch in batches:
-        for s in batch.seqs:
-            counts[index[tuple(s.tokens)]] += 1
-    probs = torch.tensor([chain_prob(o, lam) for o in outcomes], dtype=D)
-    assert _chi2_ok(counts, probs) > 1e-3
+    assert chain_pvalue([s for b in batches for s in b.seqs], lam, length) > 1e-3
 
 
 def chain_rows(table: torch.Tensor, prev: np.ndarray, tokens: np.ndarray) -> ListedRows:
@@ -616,14 +614,7 @@ def test_bonus_tokens_follow_q_lambda(lam, k):
     token's recorded log-probs are the chains' values, and λ = 0 never emits a guidance token."""
     n, length = 10_000, 3
     batches = run_bonus_batches(lam, k, n, length, 1)
-    outcomes = list(itertools.product(range(V), repeat=length))
-    index = {o: i for i, o in enumerate(outcomes)}
-    counts = torch.zeros(len(outcomes), dtype=D)
-    for batch in batches:
-        for s in batch.seqs:
-            counts[index[tuple(s.tokens)]] += 1
-    probs = torch.tensor([chain_prob(o, lam) for o in outcomes], dtype=D)
-    assert _chi2_ok(counts, probs) > 1e-3
+    assert chain_pvalue([s for b in batches for s in b.seqs], lam, length) > 1e-3
     stats = [b.stats for b in batches]
     assert all(st.bonus > 0 for st in stats)  # each batch emitted bonus tokens
     assert sum(st.emitted for st in stats) == 2 * n * length
