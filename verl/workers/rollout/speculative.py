@@ -297,8 +297,7 @@ def verify_listed(
         residual = np.clip(np.exp(q_c) - np.exp(p_c), 0.0, None)
         empty = residual.sum(-1, keepdims=True) <= 0  # only reachable through rounding: use q
         residual = np.where(empty, np.exp(q_c), residual)
-        cdf = residual.cumsum(-1)
-        pick = (cdf <= (u[rows, -1] * cdf[:, -1])[:, None]).sum(-1).clip(max=cdf.shape[-1] - 1)
+        pick = _inverse_cdf(residual, u[rows, -1])
         r = np.arange(len(rows))
         tokens[rows, first[rows]] = candidates[r, pick]
         log_p[rows, first[rows]], log_q[rows, first[rows]] = p_c[r, pick], q_c[r, pick]
@@ -342,13 +341,18 @@ def draw_bonus(
     from_q = u < lam
     with np.errstate(divide="ignore", invalid="ignore"):  # λ = 0: no row draws from q
         v = np.where(from_q, u / lam, 0.0)
-    cdf = np.exp(guidance.deduped()).cumsum(-1)
-    pick = (cdf <= (v * cdf[:, -1])[:, None]).sum(-1).clip(max=cdf.shape[-1] - 1)
-    y = guidance.ids[np.arange(len(u)), pick]
+    y = guidance.ids[np.arange(len(u)), _inverse_cdf(np.exp(guidance.deduped()), v)]
     tokens = np.where(from_q, y, draft.ids[:, 0])
     log_p = draft.lookup(tokens[:, None])[:, 0]
     log_q = guidance.lookup(tokens[:, None])[:, 0]
     return tokens, from_q, log_p, log_q
+
+
+def _inverse_cdf(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+    """Per row of `weights` (R, M) >= 0 (unnormalised), the index drawn by inverse CDF in listed
+    order with `uniforms` (R,) in [0, 1): the first entry whose cumulative weight exceeds u·total."""
+    cdf = weights.cumsum(-1)
+    return (cdf <= (uniforms * cdf[:, -1])[:, None]).sum(-1).clip(max=cdf.shape[-1] - 1)
 
 
 def _check_lam(lam: float) -> None:
