@@ -90,9 +90,14 @@ def main() -> None:
         "--bonus", default="on", help="offpolicy_guidance.bonus_token: on, off or on,off"
     )
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench_guided_") as root:  # the tiny pair's files
+        measure(args, root)
+
+
+def measure(args: argparse.Namespace, root: str) -> None:
+    """Time every setting in turns and print the figures and the summary."""
     from transformers import AutoTokenizer
 
-    root = tempfile.mkdtemp(prefix="bench_guided_")
     draft = save_tiny_lm(
         f"{root}/draft", TinyLMSpec(hidden_size=128, num_hidden_layers=2, vocab_size=100, seed=1)
     )
