@@ -124,8 +124,10 @@ class _Server:
     def __init__(self, llm_kwargs: dict) -> None:
         from vllm import LLM
 
+        from verl.workers.rollout.vllm_logging import drop_harmless_vllm_records
         from verl.workers.rollout.vllm_sessions import SessionEngine
 
+        drop_harmless_vllm_records()
         self.llm = LLM(**llm_kwargs)
         self.sessions = SessionEngine(self.llm) if not llm_kwargs["enable_prefix_caching"] else None
 

@@ -29,6 +29,7 @@ from verl.workers.rollout.speculative import (
     SpeculativeBatch,
     overlapped_generate,
 )
+from verl.workers.rollout.vllm_logging import drop_harmless_vllm_records
 from verl.workers.rollout.vllm_sessions import SessionEngine, sampled_log_probs
 
 LOG_PROB_FLOOR = -1e4  # stands for log 0 in tensors handed to the trainer (never -inf)
@@ -75,6 +76,7 @@ class VLLMRollout:
         self, model_path: str, config: RolloutConfig, eos_token_id: int, pad_token_id: int
     ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        drop_harmless_vllm_records()
         guidance = config.offpolicy_guidance
         if guidance.enable:
             check_same_tokenizer(model_path, guidance.model_path)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -17,13 +16,6 @@ class RolloutWorker:
     def __init__(self, model_path: str, config: RolloutConfig) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from transformers import AutoTokenizer
-
-        # Every weight sync, vLLM's layer-wise reload warns that RotaryEmbedding "failed to load
-        # weights": the actor's state dict has no rotary buffers (not trained) and vLLM keeps its
-        # own, which is right. Only that message is dropped.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            lambda record: "RotaryEmbedding" not in record.getMessage()
-        )
 
         from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
