@@ -32,6 +32,8 @@ Guarded by version: `apply()` refuses any vLLM not in `SUPPORTED_VLLM`, naming t
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 SUPPORTED_VLLM = ("0.32.0",)
@@ -64,9 +66,9 @@ def _update_request_as_session(self, session, update):
     target = list(update.prompt_token_ids or ())
     computed = session._all_token_ids[: session.num_computed_tokens]
     limit = min(len(computed), len(target) - 1, int(extra.get(RECOMPUTE_FROM_KEY, len(target))))
-    keep = 0
-    while keep < limit and computed[keep] == target[keep]:
-        keep += 1
+    keep = limit
+    if computed[:limit] != target[:limit]:  # a list comparison: the usual case costs no loop
+        keep = next(i for i, (a, b) in enumerate(zip(computed, target)) if a != b)
     if keep == 0:
         raise RuntimeError(f"session {session.request_id}: a rewind must keep at least one token")
     # The session now holds exactly `keep` computed tokens, all of them prompt; the original
@@ -78,6 +80,23 @@ def _update_request_as_session(self, session, update):
     session._output_token_ids.clear()
     update.prompt_token_ids = target[keep:]
     return _originals["session"](self, session, update)
+
+
+def resume(scheduler, request_id: str, tokens: list[int], sampling_params) -> None:
+    """Start the next chunk of a paused session: what `Scheduler.add_request` does with a chunk
+    for a session waiting for one (`_update_request_as_session`, patched or not), without
+    building vLLM's request objects on the way (`EngineCoreRequest`, `Request`), which cost
+    more than the update itself. `sampling_params.max_tokens` is the chunk's limit; with
+    `REPLACE_KEY` in its `extra_args`, `tokens` is the session's whole new sequence."""
+    from vllm.v1.request import RequestStatus, StreamingUpdate
+
+    session = scheduler.requests.get(request_id)
+    if session is None or session.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
+        state = "unknown" if session is None else str(session.status)
+        raise RuntimeError(f"session {request_id} is not waiting for a chunk ({state})")
+    update = StreamingUpdate(mm_features=None, prompt_token_ids=tokens, arrival_time=time.time(),
+                             max_tokens=sampling_params.max_tokens, sampling_params=sampling_params)  # fmt: skip
+    scheduler._update_request_as_session(session, update)
 
 
 def _update_streaming_request(self, req_id, new_req_data):

@@ -133,6 +133,20 @@ def test_a_session_never_changes_the_callers_token_list(sessions):
     assert tokens == [*PROMPT, 50, 51]
 
 
+def test_resume_refuses_a_session_that_is_not_waiting(engine, sessions):
+    from verl_patches import vllm_session_rewind
+
+    scheduler = engine.llm_engine.engine_core.engine_core.scheduler
+    params = scoring_params()
+    with pytest.raises(RuntimeError, match="session nobody is not waiting for a chunk"):
+        vllm_session_rewind.resume(scheduler, "nobody", [*PROMPT, 50], params)
+    sessions.add([("s", [*PROMPT, 50], 3, None)], new_params)  # its chunk is queued, not paused
+    with pytest.raises(RuntimeError, match=r"session s is not waiting for a chunk \(WAITING\)"):
+        vllm_session_rewind.resume(scheduler, "s", [*PROMPT, 50], params)
+    while sessions.busy:
+        sessions.step()
+
+
 def test_patch_is_needed_for_rewind_and_resumed_prompt_logprobs(engine, sessions):
     from verl_patches import vllm_session_rewind
 

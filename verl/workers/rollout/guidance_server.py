@@ -156,8 +156,8 @@ class _Server:
         values = np.concatenate([lp.logprobs[f : f + n].numpy() for lp, f, n in picked])
         # the one sampled token's row: column 0 is this engine's own (unseeded) draw, so it is
         # replaced by the top-1 entry (a repeat), leaving the deterministic top-K listed
-        next_ids = np.stack([results[c[0]].logprob_ids[0] for c in chunks])
-        next_values = np.stack([results[c[0]].logprobs[0] for c in chunks])
+        next_ids = np.concatenate([results[c[0]].logprob_ids[0][:1] for c in chunks])
+        next_values = np.concatenate([results[c[0]].logprobs[0][:1] for c in chunks])
         next_ids[:, 0], next_values[:, 0] = next_ids[:, 1], next_values[:, 1]
         return (ids, values), (next_ids, next_values), self.sessions.tokens_computed - before
 

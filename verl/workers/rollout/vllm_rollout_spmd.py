@@ -409,7 +409,7 @@ class _DraftRounds:
         has = np.array([len(o.token_ids) > b for o, b in zip(r.outs, r.budget, strict=True)])
         if not has.any():
             return None
-        extra = [(o.logprob_ids[b], o.logprobs[b]) for o, b, h in zip(r.outs, r.budget, has, strict=True) if h]  # fmt: skip
+        extra = [o.row(b) for o, b, h in zip(r.outs, r.budget, has, strict=True) if h]
         return has, ListedRows(np.stack([i for i, _ in extra]), np.stack([v for _, v in extra]))
 
 
@@ -417,14 +417,17 @@ def draft_tables(outs: list, budget: list[int]) -> tuple[torch.Tensor, torch.Ten
     """Proposals (B, k) with -1 padding, their number (B,) and the draft's listed log-probs, one
     row per proposal (sampled token, then the top-K, processed), from the sessions' chunks (the
     first budget[b] tokens of each: a chunk may run on to draft a lookahead token)."""
-    num = torch.tensor([min(len(o.token_ids), b) for o, b in zip(outs, budget, strict=True)])
-    rows = ListedRows(np.stack([row for o, n in zip(outs, num.tolist(), strict=True) for row in o.logprob_ids[:n]]),
-                      np.stack([row for o, n in zip(outs, num.tolist(), strict=True) for row in o.logprobs[:n]]))  # fmt: skip
-    proposals = torch.full((len(outs), max(budget)), -1, dtype=torch.long)
-    proposals[torch.arange(max(budget)) < num.unsqueeze(-1)] = torch.from_numpy(
-        rows.ids[:, 0]
-    ).long()
-    return proposals, num, rows
+    have = np.array([len(o.token_ids) for o in outs])  # sampled tokens: one listed row each
+    ids = np.concatenate([block for o in outs for block in o.logprob_ids])
+    values = np.concatenate([block for o in outs for block in o.logprobs])
+    start = np.cumsum(have) - have  # each chunk's first row
+    num = np.minimum(have, budget)
+    seq = np.repeat(np.arange(len(outs)), num)
+    at = np.arange(len(seq)) - np.repeat(np.cumsum(num) - num, num)  # position within the chunk
+    rows = ListedRows(ids[start[seq] + at], values[start[seq] + at])
+    proposals = np.full((len(outs), max(budget)), -1, dtype=np.int64)
+    proposals[seq, at] = rows.ids[:, 0]
+    return torch.from_numpy(proposals), torch.from_numpy(num), rows
 
 
 def split_cpu_threads() -> dict[str, str]:

@@ -11,7 +11,6 @@ own arrays, skipping vLLM's per-position Python conversion.
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,14 +25,26 @@ class ChunkOutput:
     token_ids: list[int] = field(default_factory=list)
     """Sampled tokens of the chunk."""
     logprob_ids: list[np.ndarray] = field(default_factory=list)
-    """Per sampled token: (K+1,) token ids, column 0 the sampled token, then the top-K."""
+    """Per engine step that sampled for the chunk, (n, K+1) token ids: one row per sampled token,
+    column 0 the token, then the top-K (`listed` joins them)."""
     logprobs: list[np.ndarray] = field(default_factory=list)
-    """Per sampled token: (K+1,) log-probs matching `logprob_ids`."""
+    """Log-probs matching `logprob_ids`, block for block."""
     prompt_logprobs: object | None = None
     """vLLM `LogprobsTensors` of the chunk's prompt: row t scores token t+1 (rows of the kept
     prefix are unset)."""
     finished: bool = False
     """The chunk stopped (its `max_tokens`, or a stop token)."""
+
+    def listed(self) -> tuple[np.ndarray, np.ndarray]:
+        """(len(token_ids), K+1) token ids and log-probs of the sampled tokens, in order."""
+        return np.concatenate(self.logprob_ids), np.concatenate(self.logprobs)
+
+    def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(K+1,) token ids and log-probs of sampled token i."""
+        if len(self.logprob_ids) == len(self.token_ids):  # one token per step (no spec decode)
+            return self.logprob_ids[i][0], self.logprobs[i][0]
+        ids, values = self.listed()
+        return ids[i], values[i]
 
 
 class SessionEngine:
@@ -55,6 +66,8 @@ class SessionEngine:
         self._tasks = self._engine.get_supported_tasks()
         self._open: dict[str, object] = {}  # session id -> its first (processed) request
         self._running: dict[str, ChunkOutput] = {}  # session id -> its running chunk's output
+        self._params: dict[tuple[str, int], object] = {}  # (session, max_tokens) -> params
+        self._scheduler = core.scheduler
         self._idle = 0  # engine steps in a row without output
         self.tokens_computed = 0
         schedule = core.scheduler.schedule
@@ -117,11 +130,28 @@ class SessionEngine:
                     supported_tasks=self._tasks, resumable=True,
                 )  # fmt: skip
                 self._open[sid] = request
-            else:  # a rewind: the first chunk's processed request with new tokens and limits
-                request = _rewind_request(first, tokens, max_tokens, recompute_from)
-            self._client.add_request(request)
+                self._client.add_request(request)
+            else:  # a rewind: the first chunk's settings with the new tokens and limits
+                params = self._rewind_params(sid, first.sampling_params, max_tokens, recompute_from)
+                vllm_session_rewind.resume(self._scheduler, sid, tokens, params)
             self._running[sid] = ChunkOutput()
         return [self._running[sid] for sid, *_ in chunks]
+
+    def _rewind_params(self, sid: str, first, max_tokens: int, recompute_from: int | None):
+        """The session's first sampling parameters with `max_tokens`, marked as a rewind (kept
+        per session and limit: the draft's rounds reuse a few limits)."""
+        key = (sid, max_tokens)
+        params = self._params.get(key) if recompute_from is None else None
+        if params is None:
+            params = copy.copy(first)  # shallow: only top-level fields change below
+            params.max_tokens = max_tokens
+            extra = {vllm_session_rewind.REPLACE_KEY: True}
+            if recompute_from is not None:
+                extra[vllm_session_rewind.RECOMPUTE_FROM_KEY] = int(recompute_from)
+            else:
+                self._params[key] = params
+            params.extra_args = {**(params.extra_args or {}), **extra}
+        return params
 
     @property
     def busy(self) -> bool:
@@ -142,10 +172,10 @@ class SessionEngine:
             result = self._running.get(out.request_id)
             if result is None:
                 continue
-            result.token_ids.extend(out.new_token_ids)
+            result.token_ids += out.new_token_ids
             if out.new_logprobs is not None:
-                result.logprob_ids.extend(out.new_logprobs.logprob_token_ids)
-                result.logprobs.extend(out.new_logprobs.logprobs)
+                result.logprob_ids.append(out.new_logprobs.logprob_token_ids)
+                result.logprobs.append(out.new_logprobs.logprobs)
             if out.new_prompt_logprobs_tensors is not None:
                 result.prompt_logprobs = out.new_prompt_logprobs_tensors
             if out.finish_reason is not None:
@@ -161,21 +191,8 @@ class SessionEngine:
             for sid in ids:
                 del self._open[sid]
                 self._running.pop(sid, None)
-
-
-def _rewind_request(first, tokens: list[int], max_tokens: int, recompute_from: int | None):
-    """A resumable request replacing a session's sequence by `tokens` (same id and settings)."""
-    import msgspec
-
-    params = copy.copy(first.sampling_params)  # shallow: only top-level fields change below
-    params.max_tokens = max_tokens
-    extra = {vllm_session_rewind.REPLACE_KEY: True}
-    if recompute_from is not None:
-        extra[vllm_session_rewind.RECOMPUTE_FROM_KEY] = int(recompute_from)
-    params.extra_args = {**(params.extra_args or {}), **extra}
-    return msgspec.structs.replace(
-        first, prompt_token_ids=list(tokens), sampling_params=params, arrival_time=time.time()
-    )
+            closed = set(ids)
+            self._params = {key: p for key, p in self._params.items() if key[0] not in closed}
 
 
 def sampled_log_probs(completion) -> tuple[list[int], list[float]]:
