@@ -182,6 +182,26 @@ def test_listed_rows_tail_mass_and_processing_hand_values():
     )
 
 
+def test_listed_rows_take_and_lookup_one_hand_values():
+    rows = _rows([[3, 1, 3, 0], [2, 2, 5, 1]], [[0.2, 0.5, 0.2, 0.1], [0.4, 0.4, 0.3, 0.2]])
+    # token 3 in row 0 and token 2 in row 1 repeat their column 0: the repeats read -inf
+    deduped = rows.deduped()
+    assert np.isneginf(deduped[0, 2]) and np.isneginf(deduped[1, 1])
+    assert rows.deduped() is deduped  # computed once
+    # lookup_one: one token per row, the same values as lookup; 7 is not listed in row 1
+    tokens = np.array([3, 7])
+    np.testing.assert_array_equal(rows.lookup_one(tokens), rows.lookup(tokens[:, None])[:, 0])
+    np.testing.assert_allclose(rows.lookup_one(np.array([0, 5])), np.log([0.1, 0.3]), rtol=1e-12)
+    assert np.isneginf(rows.lookup_one(tokens)[1])
+    # take: the chosen rows, their de-duplicated values carried over
+    taken = rows.take(np.array([1]))
+    assert taken.ids.tolist() == [[2, 2, 5, 1]]
+    np.testing.assert_array_equal(taken.deduped(), deduped[[1]])
+    np.testing.assert_array_equal(
+        _rows([[2, 2, 5, 1]], [[0.4, 0.4, 0.3, 0.2]]).deduped(), taken.deduped()
+    )
+
+
 def test_verify_listed_hand_values():
     """Two sequences, k = 3, λ = 0.5; rows hold the proposal first, then a top-3 (repeats kept)."""
     num = torch.tensor([2, 3])

@@ -131,13 +131,24 @@ class ListedRows:
 
     ids: np.ndarray
     log_probs: np.ndarray
+    _deduped: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     def deduped(self) -> np.ndarray:
         """`log_probs` (float64) with column 0's repeat among the top-K set to -inf (see
-        `TopK.dedupe`): the top-K entries are distinct, so only column 0 can reappear."""
-        values = self.log_probs.astype(np.float64)
-        values[:, 1:][self.ids[:, 1:] == self.ids[:, :1]] = NEG_INF
-        return values
+        `TopK.dedupe`): the top-K entries are distinct, so only column 0 can reappear. Computed
+        once per rows object; read-only."""
+        if self._deduped is None:
+            values = self.log_probs.astype(np.float64)
+            values[:, 1:][self.ids[:, 1:] == self.ids[:, :1]] = NEG_INF
+            self._deduped = values
+        return self._deduped
+
+    def take(self, rows: np.ndarray) -> ListedRows:
+        """The rows `rows` (indices or mask) as their own `ListedRows`."""
+        taken = ListedRows(self.ids[rows], self.log_probs[rows])
+        if self._deduped is not None:
+            taken._deduped = self._deduped[rows]
+        return taken
 
     def processed(self, **processing) -> ListedRows:
         """`process_log_probs` over each row's listed tokens (repeats dropped, renormalised)."""
@@ -152,6 +163,11 @@ class ListedRows:
         """Log-probs of `tokens` (N, M) in each row: (N, M), -inf where a token is not listed."""
         hit = tokens[:, :, None] == self.ids[:, None, :]  # (N, M, K+1)
         return np.where(hit, self.deduped()[:, None, :], NEG_INF).max(-1)
+
+    def lookup_one(self, tokens: np.ndarray) -> np.ndarray:
+        """`lookup` of one token per row: tokens (N,) -> (N,)."""
+        hit = tokens[:, None] == self.ids  # (N, K+1)
+        return np.where(hit, self.deduped(), NEG_INF).max(-1)
 
     def as_topk(self, num: torch.Tensor, width: int) -> TopK:
         """The same tables padded to a `TopK` (B, width, K+1) (id -1 / log-prob -inf)."""
@@ -266,9 +282,12 @@ def verify_listed(
     """
     _check_lam(lam)
     num = num_proposed.numpy()
-    u = uniforms.numpy().astype(np.float64)
+    u = uniforms.numpy()
+    if u.dtype != np.float64:
+        u = u.astype(np.float64)
     batch, k = u.shape[0], u.shape[1] - 1
-    if not np.array_equal(draft.ids[:, 0], guidance.ids[:, 0]):
+    proposals = draft.ids[:, 0]
+    if not np.array_equal(proposals, guidance.ids[:, 0]):
         raise RuntimeError("draft and guidance rows do not list the same proposals in column 0")
     seq = np.repeat(np.arange(batch), num)
     starts = np.cumsum(num) - num
@@ -282,26 +301,27 @@ def verify_listed(
     np.minimum.at(first, seq[rejected], pos[rejected])
     has_reject = first < k
     num_accepted = np.where(has_reject, first, num)
-    kept = pos < num_accepted[seq]
+    kept = np.flatnonzero(pos < num_accepted[seq])
+    at_seq, at_pos = seq[kept], pos[kept]
     tokens = np.full((batch, k), -1, dtype=np.int64)
     log_p, log_q = np.zeros((batch, k)), np.zeros((batch, k))
-    tokens[seq[kept], pos[kept]] = draft.ids[kept, 0]
-    log_p[seq[kept], pos[kept]], log_q[seq[kept], pos[kept]] = log_p_x[kept], log_q_x[kept]
+    tokens[at_seq, at_pos] = proposals[kept]
+    log_p[at_seq, at_pos], log_q[at_seq, at_pos] = log_p_x[kept], log_q_x[kept]
     offpolicy = np.zeros((batch, k), dtype=bool)
     rows = np.flatnonzero(has_reject)
     if len(rows):
         at = starts[rows] + first[rows]  # the rejected positions' row indices
         candidates = guidance.ids[at]  # (R, K+1): only tokens with q > 0 can have q > p
-        q_c = ListedRows(candidates, guidance.log_probs[at]).deduped()
-        p_c = ListedRows(draft.ids[at], draft.log_probs[at]).lookup(candidates)
+        q_c = guidance.deduped()[at]
+        p_c = draft.take(at).lookup(candidates)
         residual = np.clip(np.exp(q_c) - np.exp(p_c), 0.0, None)
         empty = residual.sum(-1, keepdims=True) <= 0  # only reachable through rounding: use q
         residual = np.where(empty, np.exp(q_c), residual)
         pick = _inverse_cdf(residual, u[rows, -1])
-        r = np.arange(len(rows))
-        tokens[rows, first[rows]] = candidates[r, pick]
-        log_p[rows, first[rows]], log_q[rows, first[rows]] = p_c[r, pick], q_c[r, pick]
-        offpolicy[rows, first[rows]] = True
+        r, cols = np.arange(len(rows)), first[rows]
+        tokens[rows, cols] = candidates[r, pick]
+        log_p[rows, cols], log_q[rows, cols] = p_c[r, pick], q_c[r, pick]
+        offpolicy[rows, cols] = True
     return VerifyResult(
         tokens=torch.from_numpy(tokens),
         num_emitted=torch.from_numpy(num_accepted + has_reject),
@@ -343,9 +363,7 @@ def draw_bonus(
         v = np.where(from_q, u / lam, 0.0)
     y = guidance.ids[np.arange(len(u)), _inverse_cdf(np.exp(guidance.deduped()), v)]
     tokens = np.where(from_q, y, draft.ids[:, 0])
-    log_p = draft.lookup(tokens[:, None])[:, 0]
-    log_q = guidance.lookup(tokens[:, None])[:, 0]
-    return tokens, from_q, log_p, log_q
+    return tokens, from_q, draft.lookup_one(tokens), guidance.lookup_one(tokens)
 
 
 def _inverse_cdf(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
@@ -504,9 +522,7 @@ class SpeculativeBatch:
         if not len(rows):
             return {}
         at = (np.cumsum(bonus.has) - 1)[rows]  # the lookahead rows of those sequences
-        draft = ListedRows(bonus.draft.ids[at], bonus.draft.log_probs[at])
-        guidance = ListedRows(bonus.guidance.ids[rows], bonus.guidance.log_probs[rows])
-        drawn = draw_bonus(draft, guidance, self.lam, u[rows])
+        drawn = draw_bonus(bonus.draft.take(at), bonus.guidance.take(rows), self.lam, u[rows])
         return {
             int(r): values for r, *values in zip(rows, *(d.tolist() for d in drawn), strict=True)
         }
