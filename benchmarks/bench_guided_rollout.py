@@ -39,8 +39,10 @@ from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout, split_cpu_thread
 DEFAULT_THREADS = torch.get_num_threads()  # before any engine changes it
 
 
-def rollout(draft: str, guidance: str | None, args: argparse.Namespace, k: int, tok) -> VLLMRollout:
-    cfg = RolloutConfig(n=1, dtype=args.dtype, enforce_eager=True, gpu_memory_utilization=0.03, seed=0,
+def rollout(
+    draft: str, guidance: str | None, args: argparse.Namespace, k: int, tok, eager: bool = True
+) -> VLLMRollout:
+    cfg = RolloutConfig(n=1, dtype=args.dtype, enforce_eager=eager, gpu_memory_utilization=0.03, seed=0,
                         prompt_length=args.prompt_len + 2, response_length=args.response)  # fmt: skip
     g = cfg.offpolicy_guidance
     g.enable, g.model_path, g.dtype, g.gpu_memory_utilization = (
@@ -90,6 +92,12 @@ def main() -> None:
     parser.add_argument(
         "--bonus", default="on", help="offpolicy_guidance.bonus_token: on, off or on,off"
     )
+    parser.add_argument(
+        "--eager",
+        default="on",
+        help="enforce_eager of both engines: on, off (torch.compile, cached after the first "
+        "build) or on,off; each setting has its own draft-only baseline",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_guided_") as root:  # the tiny pair's files
         measure(args, root)
@@ -123,11 +131,15 @@ def measure(args: argparse.Namespace, root: str) -> None:
     batch = prompts(tok, args.prompts, args.prompt_len)
     ks, groups = [int(k) for k in args.k.split(",")], [int(g) for g in args.groups.split(",")]
     bonus = [b == "on" for b in args.bonus.split(",")]
-    runs = {"draft-only": (rollout(draft, None, args, 1, tok), 1, False)}
-    for k in ks:  # one engine pair per k; groups and bonus are read at every call
-        engine = rollout(draft, guide, args, k, tok)
-        runs.update({f"guided k={k} g={g}" + ("" if b else " no-bonus"): (engine, g, b)
-                     for g in groups for b in bonus})  # fmt: skip
+    runs, baselines = {}, {}  # name -> (engine, groups, bonus); guided name -> its draft-only
+    for eager in [e == "on" for e in args.eager.split(",")]:
+        tag = "" if eager else " compiled"
+        runs["draft-only" + tag] = (rollout(draft, None, args, 1, tok, eager), 1, False)
+        for k in ks:  # one engine pair per k; groups and bonus are read at every call
+            engine = rollout(draft, guide, args, k, tok, eager)
+            for g, b in ((g, b) for g in groups for b in bonus):
+                name = f"guided k={k} g={g}" + ("" if b else " no-bonus") + tag
+                runs[name], baselines[name] = (engine, g, b), "draft-only" + tag
     times: dict[str, list[float]] = {name: [] for name in runs}
     meta = {}
     for _ in range(2):  # warm-up: torch.compile'd helpers specialise on the first shapes they see
@@ -139,7 +151,6 @@ def measure(args: argparse.Namespace, root: str) -> None:
             times[name].append(seconds)
             meta[name] = out.meta_info
             assert int(out.batch["response_mask"].sum()) == args.prompts * args.response
-    base = statistics.median(times["draft-only"])
     print(f"torch {torch.__version__}, {args.prompts} prompts x {args.prompt_len} tokens, {args.response} new tokens, "
           f"top-{args.logprobs} log-probs, {args.dtype}, λ=0.5, {os.cpu_count()} cores; g = pipeline_groups")  # fmt: skip
     for name, t in times.items():
@@ -152,16 +163,16 @@ def measure(args: argparse.Namespace, root: str) -> None:
             f"{name:22s} median {statistics.median(t):7.2f} s  ({', '.join(f'{x:.2f}' for x in t)}){extra}"
         )
     print("\n=== summary (ratios from one run) ===")
-    for name in (name for name in runs if name != "draft-only"):
-        ratio = statistics.median(times[name]) / base
+    for name, base in baselines.items():
+        ratio = statistics.median(times[name]) / statistics.median(times[base])
         # each repeat runs draft-only and then this setting: their ratio shows the machine's noise
-        pairs = [g / d for g, d in zip(times[name], times["draft-only"], strict=True)]
+        pairs = [g / d for g, d in zip(times[name], times[base], strict=True)]
         low, mid, high = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else pairs * 3
         # the fastest repeat of each: the least disturbed by the machine's other load
-        best = min(times[name]) / min(times["draft-only"])
-        ci_low, ci_high, share = bootstrap_ratio(times[name], times["draft-only"])
+        best = min(times[name]) / min(times[base])
+        ci_low, ci_high, share = bootstrap_ratio(times[name], times[base])
         print(
-            f"{name}: wall time {ratio:.2f}x draft-only (goal <= 2.0; 95 % bootstrap interval "
+            f"{name}: wall time {ratio:.2f}x {base} (goal <= 2.0; 95 % bootstrap interval "
             f"{ci_low:.2f}-{ci_high:.2f}, <= 2.0 in {share:.0%} of resamples; per-repeat ratios: "
             f"median {mid:.2f}, quartiles {low:.2f}-{high:.2f}; fastest repeats {best:.2f}x); "
             f"{meta[name]['guidance_tokens_per_emitted']:.2f} guidance tokens computed per emitted token (goal <= 2)"
