@@ -65,7 +65,9 @@ def _update_request_as_session(self, session, update):
         )
     target = list(update.prompt_token_ids or ())
     computed = session._all_token_ids[: session.num_computed_tokens]
-    limit = min(len(computed), len(target) - 1, int(extra.get(RECOMPUTE_FROM_KEY, len(target))))
+    limit = max(
+        0, min(len(computed), len(target) - 1, int(extra.get(RECOMPUTE_FROM_KEY, len(target))))
+    )
     keep = limit
     if computed[:limit] != target[:limit]:  # a list comparison: the usual case costs no loop
         keep = next(i for i, (a, b) in enumerate(zip(computed, target)) if a != b)

@@ -145,6 +145,14 @@ def test_resume_refuses_a_session_that_is_not_waiting(engine, sessions):
         vllm_session_rewind.resume(scheduler, "s", [*PROMPT, 50], params)
     while sessions.busy:
         sessions.step()
+    # paused now; a sequence that does not start with the session's first token, or no sequence
+    # at all, is refused before the session changes
+    rewind = scoring_params(extra_args={vllm_session_rewind.REPLACE_KEY: True})
+    for tokens in ([99, *PROMPT[1:]], []):
+        with pytest.raises(RuntimeError, match="a rewind must keep at least one token"):
+            vllm_session_rewind.resume(scheduler, "s", tokens, rewind)
+    second = sessions.run([("s", [*PROMPT, 50, 51], 1, len(PROMPT))], new_params)["s"]
+    assert second.finished and len(second.token_ids) == 1
 
 
 def test_patch_is_needed_for_rewind_and_resumed_prompt_logprobs(engine, sessions):
