@@ -64,7 +64,7 @@ class SessionEngine:
         if core.scheduler.cache_config.enable_prefix_caching:
             raise ValueError("SessionEngine needs an engine built with enable_prefix_caching=False")
         self._tasks = self._engine.get_supported_tasks()
-        self._open: dict[str, object] = {}  # session id -> its first (processed) request
+        self._open: dict[str, object] = {}  # session id -> its first chunk's processed params
         self._running: dict[str, ChunkOutput] = {}  # session id -> its running chunk's output
         self._params: dict[tuple[str, int], object] = {}  # (session, max_tokens) -> params
         self._scheduler = core.scheduler
@@ -122,35 +122,34 @@ class SessionEngine:
         for sid, tokens, max_tokens, recompute_from in chunks:
             if sid in self._running:
                 raise RuntimeError(f"session {sid} already has a chunk running")
-            first = self._open.get(sid)
-            if first is None:  # a new session: vLLM validates and completes the parameters
+            if sid not in self._open:  # a new session: vLLM validates and completes the parameters
                 # a copy: vLLM extends the request's token list in place as the session goes on
                 request = self._engine.input_processor.process_inputs(
                     sid, TokensPrompt(prompt_token_ids=list(tokens)), new_params(sid, max_tokens),
                     supported_tasks=self._tasks, resumable=True,
                 )  # fmt: skip
-                self._open[sid] = request
+                self._open[sid] = request.sampling_params
                 self._client.add_request(request)
             else:  # a rewind: the first chunk's settings with the new tokens and limits
-                params = self._rewind_params(sid, first.sampling_params, max_tokens, recompute_from)
+                params = self._rewind_params(sid, max_tokens, recompute_from)
                 vllm_session_rewind.resume(self._scheduler, sid, tokens, params)
             self._running[sid] = ChunkOutput()
         return [self._running[sid] for sid, *_ in chunks]
 
-    def _rewind_params(self, sid: str, first, max_tokens: int, recompute_from: int | None):
-        """The session's first sampling parameters with `max_tokens`, marked as a rewind (kept
-        per session and limit: the draft's rounds reuse a few limits)."""
+    def _rewind_params(self, sid: str, max_tokens: int, recompute_from: int | None):
+        """The session's first sampling parameters with `max_tokens`, marked as a rewind. Without
+        `recompute_from` they are kept per session and limit (the draft's rounds reuse a few)."""
         key = (sid, max_tokens)
-        params = self._params.get(key) if recompute_from is None else None
-        if params is None:
-            params = copy.copy(first)  # shallow: only top-level fields change below
-            params.max_tokens = max_tokens
-            extra = {vllm_session_rewind.REPLACE_KEY: True}
-            if recompute_from is not None:
-                extra[vllm_session_rewind.RECOMPUTE_FROM_KEY] = int(recompute_from)
-            else:
-                self._params[key] = params
-            params.extra_args = {**(params.extra_args or {}), **extra}
+        if recompute_from is None and key in self._params:
+            return self._params[key]
+        params = copy.copy(self._open[sid])  # shallow: only top-level fields change below
+        params.max_tokens = max_tokens
+        extra = {vllm_session_rewind.REPLACE_KEY: True}
+        if recompute_from is not None:
+            extra[vllm_session_rewind.RECOMPUTE_FROM_KEY] = int(recompute_from)
+        params.extra_args = {**(params.extra_args or {}), **extra}
+        if recompute_from is None:
+            self._params[key] = params
         return params
 
     @property
