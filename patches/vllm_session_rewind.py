@@ -26,6 +26,10 @@ And, for every request (same results, one batch instead of a loop):
    writes all their rows into one buffer that each request's tensors are views of. Steps with a
    request mid-way through a chunked prompt use vLLM's own loop.
 
+`resume()` starts a paused session's next chunk through the scheduler's session update
+directly (1. above, or vLLM's own append when the patch is removed), without the request objects
+`EngineCore.add_request` builds for every chunk.
+
 Guarded by version: `apply()` refuses any vLLM not in `SUPPORTED_VLLM`, naming the version.
 `remove()` restores the originals (the test uses it to show the patch is needed).
 """
