@@ -37,12 +37,13 @@ from verl.workers.rollout.config import OffPolicyGuidanceConfig, RolloutConfig
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout, split_cpu_threads
 
 DEFAULT_THREADS = torch.get_num_threads()  # before any engine changes it
+EAGER_TAGS = {"on": "", "off": " compiled", "guidance": " compiled-guidance"}  # --eager values
 
 
 def rollout(
-    draft: str, guidance: str | None, args: argparse.Namespace, k: int, tok, eager: bool = True
+    draft: str, guidance: str | None, args: argparse.Namespace, k: int, tok, eager: str = "on"
 ) -> VLLMRollout:
-    cfg = RolloutConfig(n=1, dtype=args.dtype, enforce_eager=eager, gpu_memory_utilization=0.03, seed=0,
+    cfg = RolloutConfig(n=1, dtype=args.dtype, enforce_eager=eager != "off", gpu_memory_utilization=0.03, seed=0,
                         prompt_length=args.prompt_len + 2, response_length=args.response)  # fmt: skip
     g = cfg.offpolicy_guidance
     g.enable, g.model_path, g.dtype, g.gpu_memory_utilization = (
@@ -52,6 +53,7 @@ def rollout(
         0.03,
     )
     g.logprobs, g.num_speculative_tokens, g.lam = args.logprobs, k, 0.5
+    g.enforce_eager = eager == "on"  # "guidance": an eager draft beside a compiled guidance
     return VLLMRollout(draft, cfg, tok.eos_token_id, tok.pad_token_id)
 
 
@@ -95,10 +97,14 @@ def main() -> None:
     parser.add_argument(
         "--eager",
         default="on",
-        help="enforce_eager of both engines: on, off (torch.compile, cached after the first "
-        "build) or on,off; each setting has its own draft-only baseline",
+        help="enforce_eager: on (both engines), off (both compiled: torch.compile, cached after "
+        "the first build), guidance (an eager draft, a compiled guidance), or a comma-separated "
+        "list; each setting is compared with draft-only on its own draft engine",
     )
     args = parser.parse_args()
+    bad = [e for e in args.eager.split(",") if e not in EAGER_TAGS]
+    if bad:
+        parser.error(f"--eager {bad[0]!r}: valid values are {', '.join(EAGER_TAGS)}")
     with tempfile.TemporaryDirectory(prefix="bench_guided_") as root:  # the tiny pair's files
         measure(args, root)
 
@@ -132,14 +138,16 @@ def measure(args: argparse.Namespace, root: str) -> None:
     ks, groups = [int(k) for k in args.k.split(",")], [int(g) for g in args.groups.split(",")]
     bonus = [b == "on" for b in args.bonus.split(",")]
     runs, baselines = {}, {}  # name -> (engine, groups, bonus); guided name -> its draft-only
-    for eager in [e == "on" for e in args.eager.split(",")]:
-        tag = "" if eager else " compiled"
-        runs["draft-only" + tag] = (rollout(draft, None, args, 1, tok, eager), 1, False)
+    for eager in args.eager.split(","):
+        tag = EAGER_TAGS[eager]
+        base = "draft-only" + ("" if eager == "guidance" else tag)  # the same draft engine
+        if base not in runs:
+            runs[base] = (rollout(draft, None, args, 1, tok, eager), 1, False)
         for k in ks:  # one engine pair per k; groups and bonus are read at every call
             engine = rollout(draft, guide, args, k, tok, eager)
             for g, b in ((g, b) for g in groups for b in bonus):
                 name = f"guided k={k} g={g}" + ("" if b else " no-bonus") + tag
-                runs[name], baselines[name] = (engine, g, b), "draft-only" + tag
+                runs[name], baselines[name] = (engine, g, b), base
     times: dict[str, list[float]] = {name: [] for name in runs}
     meta = {}
     for _ in range(2):  # warm-up: torch.compile'd helpers specialise on the first shapes they see

@@ -23,6 +23,8 @@ class OffPolicyGuidanceConfig:
     """Share of GPU memory the guidance engine may use."""
     dtype: str = "bfloat16"
     """Weights/activations dtype of the guidance engine (float32 on CPU)."""
+    enforce_eager: bool | None = None
+    """Guidance engine without torch.compile/CUDA graphs (None: the rollout's `enforce_eager`)."""
     logprobs: int = 20
     """Top-K log-probs the guidance engine returns per position (vocab size for exact full coverage)."""
     sampling_overrides: dict[str, Any] = field(default_factory=dict)

@@ -63,6 +63,19 @@ def engine_memory_args(memory_share: float) -> dict:
     return {"kv_cache_memory_bytes": int(memory_share * psutil.virtual_memory().total)}
 
 
+def guidance_engine_args(config: RolloutConfig, num_logprobs: int, common: dict) -> dict:
+    """`vllm.LLM` arguments of the guidance engine: its own model, dtype, width, memory share and
+    `enforce_eager` (the rollout's when unset), plus the arguments both engines share."""
+    guidance = config.offpolicy_guidance
+    eager = config.enforce_eager if guidance.enforce_eager is None else guidance.enforce_eager
+    speculative = guidance.mode == "speculative"
+    return dict(model=guidance.model_path, dtype=guidance.dtype, tensor_parallel_size=guidance.tensor_parallel_size,
+                enforce_eager=eager, max_logprobs=num_logprobs,
+                # scoring reads raw prompt log-probs (processed here); mix-mode samples report the processed ones
+                logprobs_mode="raw_logprobs" if speculative else "processed_logprobs",
+                **engine_memory_args(guidance.gpu_memory_utilization), **common)  # fmt: skip
+
+
 @dataclass
 class _Engines:
     draft: object
@@ -101,11 +114,8 @@ class VLLMRollout:
         self.num_logprobs = min(guidance.logprobs, vocab) if guidance.enable else 1
         engine = None
         if guidance.enable:  # its own process, built while the draft engine is built here
-            engine = GuidanceProcess(env=split_cpu_threads(), llm_kwargs=dict(model=guidance.model_path, dtype=guidance.dtype, tensor_parallel_size=guidance.tensor_parallel_size,
-                                          enforce_eager=config.enforce_eager, max_logprobs=self.num_logprobs,
-                                          # scoring reads raw prompt log-probs (processed here); mix-mode samples report the processed ones
-                                          logprobs_mode="raw_logprobs" if self.speculative else "processed_logprobs",
-                                          **engine_memory_args(guidance.gpu_memory_utilization), **common))  # fmt: skip
+            args = guidance_engine_args(config, self.num_logprobs, common)
+            engine = GuidanceProcess(env=split_cpu_threads(), llm_kwargs=args)
         draft = LLM(model=model_path, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
                     enforce_eager=config.enforce_eager, max_logprobs=max(self.num_logprobs, 1),
                     logprobs_mode="processed_logprobs", **engine_memory_args(config.gpu_memory_utilization), **common)  # fmt: skip
