@@ -40,6 +40,7 @@ def test_guidance_engine_args_carry_its_own_model_and_the_shared_ones():
 
 def test_guidance_enforce_eager_is_a_yaml_key():
     from verl.trainer.config import load_config
+    from verl.utils.config_checks import ConfigError
 
     cfg = load_config(
         [
@@ -50,3 +51,5 @@ def test_guidance_enforce_eager_is_a_yaml_key():
     )
     assert guidance_engine_args(cfg.worker.rollout, 20, {})["enforce_eager"] is False
     assert load_config().worker.rollout.offpolicy_guidance.enforce_eager is None
+    with pytest.raises(ConfigError, match=r"offpolicy_guidance\.enforce_eager: Value 'maybe'"):
+        load_config(["worker.rollout.offpolicy_guidance.enforce_eager=maybe"])
