@@ -282,9 +282,7 @@ def verify_listed(
     """
     _check_lam(lam)
     num = num_proposed.numpy()
-    u = uniforms.numpy()
-    if u.dtype != np.float64:
-        u = u.astype(np.float64)
+    u = uniforms.numpy().astype(np.float64, copy=False)
     batch, k = u.shape[0], u.shape[1] - 1
     proposals = draft.ids[:, 0]
     if not np.array_equal(proposals, guidance.ids[:, 0]):
