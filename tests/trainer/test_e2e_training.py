@@ -125,7 +125,8 @@ GUIDED_KEYS = ["guidance/offpolicy_token_ratio", "guidance/is_weight_mean", "gui
         ("guidance_off", {"worker": {"rollout": {"offpolicy_guidance": {"enable": False}}},
                           "data": {"val_files": "embedded://arithmetic@test"}}, []),
         ("speculative", {}, [*GUIDED_KEYS, "guidance/accept_rate", "guidance/topk_tail_mass"]),
-        ("mix", {"worker": {"rollout": {"offpolicy_guidance": {"mode": "mix", "mix_num_samples": 1}}}}, GUIDED_KEYS),
+        ("mix", {"worker": {"rollout": {"offpolicy_guidance": {"mode": "mix", "mix_num_samples": 1}}}},
+         [k for k in GUIDED_KEYS if k != "guidance/behavior_kl"] + ["guidance/missing_logprob_ratio"]),
         ("otb", {"algorithm": {"adv_estimator": "optimal_token_baseline"},
                  "worker": {"actor": {"calculate_sum_pi_squared": True}}},
          [*GUIDED_KEYS, "variance_proxy/proxy2_total_power"]),
@@ -149,6 +150,12 @@ def test_two_step_run_trains_and_logs_finite_metrics(
         assert not any(k.startswith("guidance/") for r in steps for k in r)
     if name == "mix":  # one of the n=4 samples per prompt is the guidance's: 1/4 of the tokens
         assert all(r["guidance/offpolicy_seq_ratio"] == pytest.approx(0.25) for r in steps)
+        # the guidance never scores the draft's responses: their tokens are missing, not p; the
+        # draft never scores the guidance's, so there is no behavior KL against p
+        token_share = [r["guidance/offpolicy_token_ratio"] for r in steps]
+        for r, share in zip(steps, token_share, strict=True):
+            assert r["guidance/missing_logprob_ratio"] == pytest.approx(1 - share, abs=1e-6)
+        assert not any("guidance/behavior_kl" in r for r in steps)
 
 
 def test_resume_continues_with_the_same_data_and_metrics(assets, ray_session, tmp_path):

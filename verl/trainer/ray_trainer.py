@@ -116,9 +116,11 @@ class RayPPOTrainer:
         """Behavior log-probs, importance weights, rejection masks, guidance/* and mismatch/*."""
         cfg, algo, b = self.config, self.config.algorithm, batch.batch
         mask = b["response_mask"]
-        if cfg.worker.rollout.offpolicy_guidance.enable:
+        guidance = cfg.worker.rollout.offpolicy_guidance
+        if guidance.enable:  # mix mode: the draft's p of the guidance's responses is unknown
+            draft = b["rollout_log_probs"] if guidance.mode == "speculative" else None
             metrics.update(compute_guidance_metrics(
-                b["offpolicy_mask"], mask, b["behavior_log_probs"], b["rollout_log_probs"],
+                b["offpolicy_mask"], mask, b["behavior_log_probs"], draft,
                 b.get("guidance_missing_mask"), lam=batch.meta_info["lam"]))  # fmt: skip
         else:
             b["behavior_log_probs"] = b["rollout_log_probs"]  # μ is the draft engine's sampler

@@ -11,8 +11,10 @@ from verl.trainer.core_algos.guidance import (
     BEHAVIORS,
     GUIDANCE_MODES,
     LAM_SCHEDULES,
+    LOG_PROB_FLOOR,
     compute_behavior_log_probs,
     compute_guidance_metrics,
+    guidance_tensors,
     lam_at_step,
     mixture_log_probs,
 )
@@ -106,3 +108,47 @@ def test_guidance_metrics_hand_values():
     assert m[M.GUIDANCE_BEHAVIOR_KL] == pytest.approx((0.1 + 0.3 + 0.2 + 0.0 + 0.4) / 5, abs=1e-12)
     assert m[M.GUIDANCE_MISSING_LOGPROB_RATIO] == pytest.approx(1 / 5)
     assert m[M.GUIDANCE_LAMBDA] == 0.3
+
+
+def test_guidance_metrics_leave_out_behavior_kl_without_draft_log_probs():
+    mask, off = torch.ones(1, 2, dtype=D), torch.tensor([[0.0, 1.0]], dtype=D)
+    m = compute_guidance_metrics(off, mask, logt([[0.5, 0.5]]), None, torch.zeros(1, 2), lam=0.5)
+    assert M.GUIDANCE_BEHAVIOR_KL not in m and m[M.GUIDANCE_MISSING_LOGPROB_RATIO] == 0.0
+
+
+NAN, NEG_INF = float("nan"), float("-inf")
+# five tokens: draft x with q = 0.5; draft x that the guidance's top-k cut (q exactly 0); draft x
+# whose q was not reported (NaN); a guidance token outside the draft's list (p counts as 0);
+# padding (whatever it holds)
+P = logt([[0.25, 0.4, 0.1, 0.0, 0.3]])
+Q = torch.tensor([[math.log(0.5), NEG_INF, NAN, math.log(0.3), NAN]], dtype=D)
+OFF = torch.tensor([[False, False, False, True, True]])
+MASK = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]], dtype=D)
+
+
+@pytest.mark.parametrize(
+    ("lam", "mode", "behavior", "expected_mu"),
+    [
+        # μ = 0.5·p + 0.5·q: 0.5·0.25 + 0.5·0.5 = 0.375; 0.5·0.4 + 0 = 0.2 (not 0.4: q is an exact
+        # zero, not the draft's value); 0.5·0.1 = 0.05 (missing q counts as 0); 0 + 0.5·0.3 = 0.15
+        (0.5, "speculative", "exact", [0.375, 0.2, 0.05, 0.15]),
+        # λ = 1: μ = q: 0.5, 0 (floor), 0 (floor), 0.3
+        (1.0, "speculative", "exact", [0.5, 0.0, 0.0, 0.3]),
+        # provenance and mix: μ = p on draft tokens, q on guidance tokens
+        (0.5, "speculative", "provenance", [0.25, 0.4, 0.1, 0.3]),
+        (0.5, "mix", "exact", [0.25, 0.4, 0.1, 0.3]),
+    ],
+)
+def test_guidance_tensors_hand_values(lam, mode, behavior, expected_mu):
+    out = guidance_tensors(P, Q, OFF, MASK, lam, mode, behavior)
+    expected = torch.tensor([[*expected_mu, 1.0]], dtype=D).log().clamp(min=LOG_PROB_FLOOR) * MASK
+    torch.testing.assert_close(out["behavior_log_probs"], expected, rtol=0, atol=1e-12)
+    # q: the real value, the floor for an exact zero and for a missing value, 0 on padding; only
+    # the NaN is missing, and padding never is
+    guide = [[math.log(0.5), LOG_PROB_FLOOR, LOG_PROB_FLOOR, math.log(0.3), 0.0]]
+    torch.testing.assert_close(
+        out["guidance_log_probs"], torch.tensor(guide, dtype=D), rtol=0, atol=1e-12
+    )
+    assert out["guidance_missing_mask"].tolist() == [[False, False, True, False, False]]
+    assert out["offpolicy_mask"].tolist() == [[False, False, False, True, False]]
+    assert all(torch.isfinite(v.double()).all() for v in out.values())

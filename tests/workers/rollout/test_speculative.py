@@ -168,7 +168,8 @@ def test_topk_lists_emit_the_same_distribution_as_dense_tables(lam):
 
 
 def _rows(ids: list[list[int]], probs: list[list[float]]) -> ListedRows:
-    return ListedRows(np.array(ids), np.log(np.array(probs)))
+    with np.errstate(divide="ignore"):  # a probability 0 is listed as -inf
+        return ListedRows(np.array(ids), np.log(np.array(probs)))
 
 
 def test_listed_rows_tail_mass_and_processing_hand_values():
@@ -182,6 +183,31 @@ def test_listed_rows_tail_mass_and_processing_hand_values():
     )
 
 
+def test_listed_rows_top_p_cuts_on_true_probabilities_at_temperature_1():
+    """Raw rows list tokens 0-2 with p = [0.5, 0.3, 0.1] (tail 0.1). True mass before each:
+    0, 0.5, 0.8, all < 0.85, so top-p 0.85 keeps all three: [0.5, 0.3, 0.1] / 0.9. Renormalised
+    over the list first ([.556, .333, .111], mass before token 2 = .889 >= .85) it would drop
+    token 2. With top_p = 0.75 token 2 goes (0.8 >= 0.75): [0.5, 0.3] / 0.8. At temperature 0.5
+    the cut is on the listed renormalisation (the true one is unknown): .25, .09, .01 over .35 ->
+    mass before token 2 = .971 >= .85, dropped: [.25, .09] / .34."""
+    rows = _rows([[0, 0, 1, 2]], [[0.5, 0.5, 0.3, 0.1]])
+    np.testing.assert_allclose(
+        np.exp(rows.processed(top_p=0.85).log_probs),
+        [[0.5 / 0.9, 0, 0.3 / 0.9, 0.1 / 0.9]],
+        rtol=1e-12,
+    )
+    np.testing.assert_allclose(
+        np.exp(rows.processed(top_p=0.75).log_probs), [[0.5 / 0.8, 0, 0.3 / 0.8, 0]], rtol=1e-12
+    )
+    np.testing.assert_allclose(
+        np.exp(rows.processed(temperature=0.5, top_p=0.85).log_probs),
+        [[0.25 / 0.34, 0, 0.09 / 0.34, 0]], rtol=1e-12, atol=1e-15,
+    )  # fmt: skip
+    # a cut row lists its support: token 2's zero is a real one (top-p), so unlisted 7 is 0 too
+    assert rows.processed(top_p=0.75).lists_support().tolist() == [True]
+    assert rows.processed(top_p=0.85).lists_support().tolist() == [False]
+
+
 def test_listed_rows_take_and_lookup_one_hand_values():
     rows = _rows([[3, 1, 3, 0], [2, 2, 5, 1]], [[0.2, 0.5, 0.2, 0.1], [0.4, 0.4, 0.3, 0.2]])
     # token 3 in row 0 and token 2 in row 1 repeat their column 0: the repeats read -inf
@@ -193,6 +219,15 @@ def test_listed_rows_take_and_lookup_one_hand_values():
     np.testing.assert_array_equal(rows.lookup_one(tokens), rows.lookup(tokens[:, None])[:, 0])
     np.testing.assert_allclose(rows.lookup_one(np.array([0, 5])), np.log([0.1, 0.3]), rtol=1e-12)
     assert np.isneginf(rows.lookup_one(tokens)[1])
+    # unknown=NaN keeps "not listed" apart from a zero: neither row lists a zero, so unlisted
+    # token 7 reads NaN; after processing, a repeat of column 0 reads -inf but is no zero
+    assert rows.lists_support().tolist() == [False, False]
+    assert rows.processed(temperature=1.0).lists_support().tolist() == [False, False]
+    assert np.isnan(rows.lookup_one(tokens, unknown=np.nan)[1])
+    assert rows.lookup_one(tokens, unknown=np.nan)[0] == pytest.approx(math.log(0.2))
+    zero = _rows([[3, 1, 0, 3]], [[0.2, 0.8, 0.0, 0.2]])  # lists token 0 with probability 0
+    assert zero.lists_support().tolist() == [True]
+    assert np.isneginf(zero.lookup_one(np.array([7]), unknown=np.nan)).all()
     # take: the chosen rows, their de-duplicated values carried over
     taken = rows.take(np.array([1]))
     assert taken.ids.tolist() == [[2, 2, 5, 1]]
@@ -284,12 +319,16 @@ def test_draw_bonus_hand_values():
     # row 0: u = 0.2 -> u/λ = 0.4; the guidance's CDF over [2, (repeat), 4, 7] is
     # [0.6, 0.6, 0.9, 1.0] and 0.4 * 1.0 passes no entry -> token 2 (q 0.6, p 0.3 from the list)
     # row 1: u = 0.4 -> 0.8 passes 2 entries -> token 4 (q 0.3, p 0.5)
-    # row 2: u = 0.7 >= λ -> the lookahead token 5 (p 0.2), which the guidance does not list
+    # row 2: u = 0.7 >= λ -> the lookahead token 5 (p 0.2), which the guidance does not list:
+    # its q was not reported (the row lists no zero, 0.05 of its mass is elsewhere): NaN
     tokens, off, log_p, log_q = draw_bonus(draft, guide, 0.5, np.array([0.2, 0.4, 0.7]))
     assert tokens.tolist() == [2, 4, 5] and off.tolist() == [True, True, False]
     log = math.log
     np.testing.assert_allclose(log_p, [log(0.3), log(0.5), log(0.2)], rtol=1e-12)
-    np.testing.assert_allclose(log_q, [log(0.6), log(0.3), float("-inf")], rtol=1e-12)
+    np.testing.assert_allclose(log_q, [log(0.6), log(0.3), float("nan")], rtol=1e-12)
+    # the same row after a top-k cut lists a zero (token 0): unlisted token 5 is an exact 0
+    cut = _rows([[1, 1, 3, 0]], [[0.7, 0.7, 0.3, 0.0]])
+    assert np.isneginf(draw_bonus(draft.take([2]), cut, 0.5, np.array([0.7]))[3]).all()
     # λ = 0 always keeps the lookahead; λ = 1 always draws from q: row 2's 0.7 * 0.95 = 0.665
     # passes no entry of [0.7, 0.7, 0.9, 0.95] -> token 1
     assert draw_bonus(draft, guide, 0.0, np.array([0.0, 0.4, 0.7]))[0].tolist() == [4, 4, 5]

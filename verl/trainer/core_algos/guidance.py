@@ -15,6 +15,10 @@ from verl.utils import metric_names as M
 from verl.utils.registry import Registry
 from verl.utils.torch_functional import masked_mean
 
+LOG_PROB_FLOOR = -1e4
+"""Stands for log 0 in tensors handed to the trainer (never -inf, never mistaken for a real
+log-prob: exp(-1e4) underflows to 0 in float32 and float64)."""
+
 BehaviorFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 BEHAVIORS: Registry[BehaviorFn] = Registry("guidance behavior rule")
 
@@ -86,6 +90,44 @@ def compute_behavior_log_probs(
     )
 
 
+def guidance_tensors(
+    draft_log_probs: torch.Tensor,
+    guidance_log_probs: torch.Tensor,
+    offpolicy_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    lam: float,
+    mode: str = "speculative",
+    behavior: str = "exact",
+) -> dict[str, torch.Tensor]:
+    """The rollout's guidance tensors from per-token log p and log q, all (B, T).
+
+    μ_t = `compute_behavior_log_probs`(p, q) with q = 0 wherever log q is -inf or NaN.
+    log q reads -inf where q is exactly 0 after the sampling settings' processing (top-k, top-p)
+    and NaN where the guidance did not report it. Both give `guidance_log_probs` =
+    `LOG_PROB_FLOOR` and a behavior computed with q = 0, so (rule `exact`) a draft token outside
+    the guidance's support has μ = (1-λ)·p(x), not p(x); only NaN sets `guidance_missing_mask`.
+    For a missing q(x) (x outside the guidance's top-K) the truth lies in [0, q_K], q_K the
+    smallest listed guidance probability, so log μ is at most log(1 + λ·q_K / ((1-λ)·p(x))) too
+    low. Returns guidance_log_probs, guidance_missing_mask, offpolicy_mask and
+    behavior_log_probs, zero (False) on padding.
+    Paper: https://arxiv.org/abs/2211.17192 (speculative sampling: tokens follow q_λ exactly).
+    """
+    valid = response_mask.bool()
+    missing = guidance_log_probs.isnan() & valid
+    guide = guidance_log_probs.nan_to_num(nan=LOG_PROB_FLOOR, neginf=LOG_PROB_FLOOR)
+    guide = guide.clamp(min=LOG_PROB_FLOOR)
+    draft = draft_log_probs.nan_to_num(neginf=LOG_PROB_FLOOR).clamp(min=LOG_PROB_FLOOR)
+    off = offpolicy_mask.bool() & valid
+    mu = compute_behavior_log_probs(draft, guide, off, lam, mode, behavior)
+    mask = valid.to(guide.dtype)
+    return {
+        "guidance_log_probs": guide * mask,
+        "guidance_missing_mask": missing,
+        "offpolicy_mask": off,
+        "behavior_log_probs": mu.clamp(min=LOG_PROB_FLOOR) * mask,
+    }
+
+
 ScheduleFn = Callable[[float, float, float], float]
 LAM_SCHEDULES: Registry[ScheduleFn] = Registry("lam schedule")
 
@@ -120,7 +162,7 @@ def compute_guidance_metrics(
     offpolicy_mask: torch.Tensor,
     response_mask: torch.Tensor,
     behavior_log_probs: torch.Tensor,
-    draft_log_probs: torch.Tensor,
+    draft_log_probs: torch.Tensor | None,
     guidance_missing_mask: torch.Tensor | None = None,
     lam: float | None = None,
 ) -> dict[str, float]:
@@ -128,8 +170,9 @@ def compute_guidance_metrics(
 
     offpolicy_token_ratio = guidance tokens / valid tokens; offpolicy_seq_ratio = share of
     responses with at least one guidance token; behavior_kl = mean(log μ - log p) over valid
-    tokens, the k1 estimate of KL(μ ‖ p) (tokens are drawn from μ); missing_logprob_ratio = share
-    of valid tokens without a guidance log-prob.
+    tokens, the k1 estimate of KL(μ ‖ p) (tokens are drawn from μ), left out when
+    `draft_log_probs` is None (mix mode: the draft never scores the guidance's responses);
+    missing_logprob_ratio = share of valid tokens without a guidance log-prob.
     """
     valid = response_mask.to(behavior_log_probs.dtype)
     guided = offpolicy_mask.to(valid.dtype) * valid
@@ -139,8 +182,10 @@ def compute_guidance_metrics(
         M.GUIDANCE_OFFPOLICY_SEQ_RATIO: (guided.sum(dim=-1) > 0)[has_tokens].float().mean().item()
         if has_tokens.any()
         else 0.0,
-        M.GUIDANCE_BEHAVIOR_KL: masked_mean(behavior_log_probs - draft_log_probs, valid).item(),
     }
+    if draft_log_probs is not None:
+        kl = masked_mean(behavior_log_probs - draft_log_probs, valid)
+        metrics[M.GUIDANCE_BEHAVIOR_KL] = kl.item()
     if guidance_missing_mask is not None:
         metrics[M.GUIDANCE_MISSING_LOGPROB_RATIO] = masked_mean(
             guidance_missing_mask.to(valid.dtype), valid

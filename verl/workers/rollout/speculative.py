@@ -34,20 +34,24 @@ NEG_INF = float("-inf")
 
 
 def process_log_probs(
-    log_probs: torch.Tensor, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0
+    log_probs: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float | torch.Tensor = 1.0,
 ) -> torch.Tensor:
     """Sampling-processed log-probs: softmax(z / T), then top-k, then top-p (nucleus) truncation.
 
     `log_probs` are raw log-probs or logits over the last dim (..., V); -inf marks excluded tokens.
     Top-p keeps the smallest set of most likely tokens whose mass reaches `top_p` (the token that
-    crosses the threshold is kept). Returns normalised log-probs (..., V). (B, T, V) -> (B, T, V).
+    crosses the threshold is kept); a tensor `top_p` (..., 1) sets it per row. Returns normalised
+    log-probs (..., V). (B, T, V) -> (B, T, V).
     """
     z = log_probs / temperature
     if top_k is not None and 0 < top_k < z.shape[-1]:
         kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
         z = z.masked_fill(z < kth, NEG_INF)
     z = torch.log_softmax(z, dim=-1)
-    if top_p < 1.0:
+    if torch.is_tensor(top_p) or top_p < 1.0:
         sorted_z, order = torch.sort(z, dim=-1, descending=True)
         mass_before = torch.cumsum(sorted_z.exp(), dim=-1) - sorted_z.exp()
         drop_sorted = mass_before >= top_p
@@ -150,10 +154,21 @@ class ListedRows:
             taken._deduped = self._deduped[rows]
         return taken
 
-    def processed(self, **processing) -> ListedRows:
-        """`process_log_probs` over each row's listed tokens (repeats dropped, renormalised)."""
+    def processed(
+        self, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0
+    ) -> ListedRows:
+        """`process_log_probs` over each row's listed tokens (repeats dropped, renormalised), for
+        rows of raw log-probs. Exact where the row lists the whole vocabulary or top-k <= K cuts
+        inside the list. At temperature 1 without top-k the nucleus is cut on the listed
+        tokens' true probabilities (top_p / listed mass on the renormalised ones), so top-p is
+        exact wherever the nucleus is listed; otherwise the renormalisation over the listed
+        tokens overstates each log-prob by at most -log(1 - tail) at temperature <= 1."""
         rows = torch.from_numpy(self.deduped())
-        return ListedRows(self.ids, process_log_probs(rows, **processing).numpy())
+        if top_p < 1.0 and temperature == 1.0 and top_k in (-1, 0, None):
+            listed = torch.from_numpy(1.0 - self.tail_mass()).unsqueeze(-1)
+            top_p = top_p / listed  # > 1 where the nucleus reaches past the list: no cut
+        processed = process_log_probs(rows, temperature=temperature, top_k=top_k, top_p=top_p)
+        return ListedRows(self.ids, processed.numpy())
 
     def tail_mass(self) -> np.ndarray:
         """(N,) probability mass not listed: 1 - sum of the listed probabilities, >= 0."""
@@ -164,10 +179,23 @@ class ListedRows:
         hit = tokens[:, :, None] == self.ids[:, None, :]  # (N, M, K+1)
         return np.where(hit, self.deduped()[:, None, :], NEG_INF).max(-1)
 
-    def lookup_one(self, tokens: np.ndarray) -> np.ndarray:
-        """`lookup` of one token per row: tokens (N,) -> (N,)."""
+    def lookup_one(self, tokens: np.ndarray, unknown: float = NEG_INF) -> np.ndarray:
+        """`lookup` of one token per row: tokens (N,) -> (N,). A token the row does not list reads
+        -inf where the row lists its whole support (`lists_support`: its probability is exactly
+        0) and `unknown` elsewhere (default -inf too; NaN keeps "not reported" apart from 0)."""
         hit = tokens[:, None] == self.ids  # (N, K+1)
-        return np.where(hit, self.deduped(), NEG_INF).max(-1)
+        found = np.where(hit, self.deduped(), NEG_INF).max(-1)
+        if np.isnan(unknown):
+            found[~hit.any(-1) & ~self.lists_support()] = unknown
+        return found
+
+    def lists_support(self) -> np.ndarray:
+        """(N,) True where every token of nonzero probability is listed, so an unlisted token has
+        probability exactly 0: the row's top-K ran past the processed support, i.e. it lists a
+        token of probability 0 (one that top-k or top-p cut) that is not a repeat of column 0.
+        A row listing the whole vocabulary has no unlisted token at all."""
+        cut = np.isneginf(self.log_probs[:, 1:]) & (self.ids[:, 1:] != self.ids[:, :1])
+        return cut.any(-1)
 
     def as_topk(self, num: torch.Tensor, width: int) -> TopK:
         """The same tables padded to a `TopK` (B, width, K+1) (id -1 / log-prob -inf)."""
@@ -192,9 +220,12 @@ class VerifyResult:
     offpolicy: torch.Tensor
     """(B, k) True for the residual token (emitted by the guidance), False elsewhere."""
     draft_log_probs: torch.Tensor
-    """(B, k) log p(emitted token) (processed draft distribution; -inf where p = 0)."""
+    """(B, k) log p(emitted token) (processed draft distribution; -inf where p = 0, and for a
+    residual token the draft's top-K does not list: its p, at most the draft's tail, counts as 0)."""
     guidance_log_probs: torch.Tensor
-    """(B, k) log q(emitted token) (processed guidance distribution)."""
+    """(B, k) log q(emitted token) (processed guidance distribution; -inf where q = 0 after
+    processing, e.g. a proposal that the guidance's top-k or top-p cuts: an exact 0, since every
+    proposal's q is reported, column 0 of its row)."""
 
 
 def verify_proposals(
@@ -351,7 +382,10 @@ def draw_bonus(
     is uniform given u < λ), marked off-policy; otherwise the draft's lookahead x ~ p (column 0).
 
     Rows (R, K+1) as in `ListedRows`, uniforms (R,); returns (R,) arrays: tokens, off-policy,
-    log p and log q of each token (-inf where a row does not list it).
+    log p and log q of each token. A token a row does not list has log p = -inf (treated as 0:
+    the draft's unlisted mass is its top-K tail) and log q = -inf where the guidance row lists
+    its whole support (an exact 0, e.g. cut by top-k) or NaN where it does not (not reported:
+    a lookahead token outside the guidance's top-K, only possible when K < V).
     Paper: https://arxiv.org/abs/2211.17192 (the extra token after k accepted proposals).
     """
     _check_lam(lam)
@@ -361,7 +395,7 @@ def draw_bonus(
         v = np.where(from_q, u / lam, 0.0)
     y = guidance.ids[np.arange(len(u)), _inverse_cdf(np.exp(guidance.deduped()), v)]
     tokens = np.where(from_q, y, draft.ids[:, 0])
-    return tokens, from_q, draft.lookup_one(tokens), guidance.lookup_one(tokens)
+    return tokens, from_q, draft.lookup_one(tokens), guidance.lookup_one(tokens, unknown=np.nan)
 
 
 def _inverse_cdf(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
@@ -384,6 +418,8 @@ class GuidedSequence:
     offpolicy: list[bool] = field(default_factory=list)
     draft_log_probs: list[float] = field(default_factory=list)
     guidance_log_probs: list[float] = field(default_factory=list)
+    """log q of each token: -inf where q is exactly 0 after processing, NaN where the guidance
+    did not report it (`guidance_tensors` turns NaN into `guidance_missing_mask`)."""
     finished: bool = False
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from verl.protocol import DataProto
-from verl.trainer.core_algos.guidance import compute_behavior_log_probs, lam_at_step
+from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR, guidance_tensors, lam_at_step
 from verl.workers.rollout.config import OffPolicyGuidanceConfig, RolloutConfig
 from verl.workers.rollout.guidance_server import GuidanceProcess
 from verl.workers.rollout.speculative import (
@@ -31,8 +31,6 @@ from verl.workers.rollout.speculative import (
 )
 from verl.workers.rollout.vllm_logging import drop_harmless_vllm_records
 from verl.workers.rollout.vllm_sessions import SessionEngine, sampled_log_probs
-
-LOG_PROB_FLOOR = -1e4  # stands for log 0 in tensors handed to the trainer (never -inf)
 
 
 def check_same_tokenizer(draft_path: str, guidance_path: str) -> None:
@@ -191,7 +189,7 @@ class VLLMRollout:
             and processing["top_p"] >= 1.0
         ):
             return tables, following  # raw = processed: exact for every listed token
-        # with top-K tables the renormalisation over K tokens is approximate (tail mass reported)
+        # exact when K covers the vocabulary or the cut; else approximate (README_guidance.md)
         return tables.processed(**processing), following.processed(**processing)
 
     # ------------------------------------------------------------------ generation
@@ -324,7 +322,7 @@ class VLLMRollout:
         resp = torch.full((b, r_len), self.pad_token_id, dtype=torch.long)
         resp_mask = torch.zeros(b, r_len, dtype=torch.long)
         draft_lp = torch.zeros(b, r_len)
-        guide_lp = torch.zeros(b, r_len)
+        guide_lp = torch.zeros(b, r_len)  # -inf: q = 0 after processing; NaN: not reported
         off = torch.zeros(b, r_len, dtype=torch.bool)
         for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
             prompt_t[i, p_len - len(p) :] = torch.tensor(p)
@@ -333,7 +331,7 @@ class VLLMRollout:
             resp[i, :n] = torch.tensor(s.tokens)
             resp_mask[i, :n] = 1
             draft_lp[i, :n] = torch.tensor(s.draft_log_probs).clamp(min=LOG_PROB_FLOOR)
-            guide_lp[i, :n] = torch.tensor(s.guidance_log_probs).clamp(min=LOG_PROB_FLOOR)
+            guide_lp[i, :n] = torch.tensor(s.guidance_log_probs)
             off[i, :n] = torch.tensor(s.offpolicy)
         attention = torch.cat([prompt_mask, resp_mask], dim=1)
         tensors = {
@@ -346,13 +344,7 @@ class VLLMRollout:
             "rollout_log_probs": draft_lp * resp_mask,
         }
         if guidance.enable:
-            missing = (guide_lp <= LOG_PROB_FLOOR) & resp_mask.bool() & ~off
-            guide_filled = torch.where(missing, draft_lp, guide_lp) * resp_mask
-            behavior = compute_behavior_log_probs(
-                draft_lp, guide_filled, off, lam, guidance.mode, guidance.behavior
-            )
-            tensors.update(offpolicy_mask=off & resp_mask.bool(), guidance_log_probs=guide_filled,
-                           guidance_missing_mask=missing, behavior_log_probs=behavior.clamp(min=LOG_PROB_FLOOR) * resp_mask)  # fmt: skip
+            tensors.update(guidance_tensors(draft_lp, guide_lp, off, resp_mask, lam, guidance.mode, guidance.behavior))  # fmt: skip
         return DataProto.from_dict(tensors)
 
 
@@ -456,8 +448,13 @@ def split_cpu_threads() -> dict[str, str]:
 def _whole_response(
     tokens: list[int], log_probs: list[float], from_guidance: bool
 ) -> GuidedSequence:
-    """A response sampled whole by one engine: its own log-probs stand for both models'."""
-    return GuidedSequence(tokens, [from_guidance] * len(tokens), log_probs, log_probs, True)
+    """A response sampled whole by one engine. The other engine never scored it: a draft
+    response's q is not reported (NaN, `guidance_missing_mask`); a guidance response's p is not
+    either, and its own log-probs stand in for `rollout_log_probs` (mix mode's behavior is the
+    emitting engine's, so neither enters μ; see README_guidance.md)."""
+    unscored = [float("nan")] * len(tokens)
+    return GuidedSequence(tokens, [from_guidance] * len(tokens), log_probs,
+                          log_probs if from_guidance else unscored, True)  # fmt: skip
 
 
 def _unpad_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
