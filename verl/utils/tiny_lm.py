@@ -2,7 +2,9 @@
 
 No model hub is reachable on our machines, so tests, benchmarks and the embedded demo build their
 models here: a Qwen2 architecture (loads in transformers and vLLM), `head_dim = 64` (the vLLM CPU
-attention kernel refuses 16) and a char-level tokenizer shared by draft and guidance.
+attention kernel refuses 16) and a char-level tokenizer shared by draft and guidance. A second
+family keeps tests from resting on one architecture and one tokenizer: a Llama model (untied
+embeddings) with a byte-level BPE tokenizer trained here, with merges (`build_bpe_tokenizer`).
 """
 
 from __future__ import annotations
@@ -68,9 +70,37 @@ def build_char_tokenizer():
     return tokenizer
 
 
+def arithmetic_corpus() -> list[str]:
+    """Text a tiny BPE tokenizer is trained on: every a+b=c for a, b < 100 and a few words."""
+    sums = [f"{a}+{b}={a + b}" for a in range(100) for b in range(100)]
+    words = ["user", "assistant", "system", "Answer", "the sum", "Compute", "digits reversed"]
+    return sums + [f"{w}: {s}\n" for w in words for s in sums[::97]]
+
+
+def build_bpe_tokenizer(vocab_size: int = 100, corpus: list[str] | None = None):
+    """A byte-level BPE tokenizer with merges, trained on `corpus` (default `arithmetic_corpus`),
+    `vocab_size` tokens in all, special tokens and eos/pad as in `build_char_tokenizer`. Its
+    alphabet is the corpus's characters (no unknown token: other text does not encode)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE(unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  show_progress=False)  # fmt: skip
+    core.train_from_iterator(corpus or arithmetic_corpus(), trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD, eos_token=IM_END, bos_token=None,
+        additional_special_tokens=[EOS, IM_START], clean_up_tokenization_spaces=False,
+    )  # fmt: skip
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
 @dataclass
 class TinyLMSpec:
-    """Shape of a tiny Qwen2 model."""
+    """Shape of a tiny Qwen2 (or Llama) model."""
 
     hidden_size: int = 128
     """Model width; a multiple of 64 (head_dim)."""
@@ -86,12 +116,19 @@ class TinyLMSpec:
     """Longest sequence."""
     seed: int = 0
     """Initialisation seed."""
+    arch: str = "qwen2"
+    """Architecture: qwen2 (tied embeddings) or llama (untied)."""
 
 
 def build_tiny_qwen2(spec: TinyLMSpec, tokenizer=None):
-    """A randomly initialised Qwen2ForCausalLM of `spec` whose special ids match the tokenizer."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A randomly initialised Qwen2ForCausalLM (LlamaForCausalLM for `arch: llama`) of `spec`
+    whose special ids match the tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    archs = {"qwen2": (Qwen2Config, Qwen2ForCausalLM, True), "llama": (LlamaConfig, LlamaForCausalLM, False)}  # fmt: skip
+    if spec.arch not in archs:
+        raise ValueError(f"arch must be one of {sorted(archs)}, got {spec.arch!r}")
+    config_cls, model_cls, tied = archs[spec.arch]
     tokenizer = tokenizer or build_char_tokenizer()
     if spec.hidden_size % 64:
         raise ValueError(f"hidden_size must be a multiple of 64 (head_dim), got {spec.hidden_size}")
@@ -100,7 +137,7 @@ def build_tiny_qwen2(spec: TinyLMSpec, tokenizer=None):
             f"vocab_size {spec.vocab_size} is smaller than the tokenizer's {len(tokenizer)}"
         )
     heads = spec.hidden_size // 64
-    config = Qwen2Config(
+    config = config_cls(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size or 2 * spec.hidden_size,
@@ -108,19 +145,21 @@ def build_tiny_qwen2(spec: TinyLMSpec, tokenizer=None):
         num_attention_heads=heads,
         num_key_value_heads=min(spec.num_key_value_heads, heads),
         max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True,
+        head_dim=64,
+        tie_word_embeddings=tied,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
     torch.manual_seed(spec.seed)
-    return Qwen2ForCausalLM(config)
+    return model_cls(config)
 
 
-def save_tiny_lm(path: str, spec: TinyLMSpec | None = None, model=None) -> str:
-    """Write a tiny model (built from `spec` unless given) and the char tokenizer to `path`."""
+def save_tiny_lm(path: str, spec: TinyLMSpec | None = None, model=None, tokenizer=None) -> str:
+    """Write a tiny model (built from `spec` unless given) and its tokenizer (default: the char
+    tokenizer) to `path`."""
     spec = spec or TinyLMSpec()
-    tokenizer = build_char_tokenizer()
+    tokenizer = tokenizer or build_char_tokenizer()
     model = model or build_tiny_qwen2(spec, tokenizer)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

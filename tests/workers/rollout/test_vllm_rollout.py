@@ -9,6 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from verl.protocol import DataProto
+from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR
 from verl.workers.rollout.config import RolloutConfig
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout, check_same_tokenizer
 
@@ -33,7 +34,8 @@ def models(tmp_path_factory):
     return draft, guide
 
 
-def rollout_config(guidance_path: str | None, **guidance) -> RolloutConfig:
+def rollout_config(guidance_path: str | None, vocab: int = VOCAB, **guidance) -> RolloutConfig:
+    """Engines for the tests: float32, eager, log-probs over all `vocab` embedding rows."""
     cfg = RolloutConfig(n=1, temperature=1.0, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.02,
                         prompt_length=16, response_length=8, max_num_batched_tokens=8192, seed=0)  # fmt: skip
     g = cfg.offpolicy_guidance
@@ -41,7 +43,7 @@ def rollout_config(guidance_path: str | None, **guidance) -> RolloutConfig:
         bool(guidance_path),
         guidance_path,
         "float32",
-        VOCAB,
+        vocab,
         0.02,
     )
     for key, value in guidance.items():
@@ -80,12 +82,13 @@ def next_token_probs(path: str, prompt: list[int], temperature: float) -> torch.
 
 def chi2_pvalue(tokens: torch.Tensor, target: torch.Tensor) -> float:
     """Chi-square p-value of sampled `tokens` against the distribution `target` (V,), the cells
-    expected fewer than 5 times pooled into one."""
+    expected fewer than 5 times pooled into one; a token of target probability 0 must not occur."""
     n = len(tokens)
-    counts = torch.bincount(tokens, minlength=VOCAB).double()
+    counts = torch.bincount(tokens, minlength=len(target)).double()
+    assert counts[target == 0].sum() == 0, "sampled a token of probability 0"
     cells = target * n >= 5
     observed, expected = counts[cells], target[cells] * n
-    if (~cells).any():
+    if target[~cells].sum() > 0:
         observed = torch.cat([observed, counts[~cells].sum().view(1)])
         expected = torch.cat([expected, target[~cells].sum().view(1) * n])
     return chisquare(observed.numpy(), expected.numpy()).pvalue
@@ -247,8 +250,13 @@ def test_mix_mode_gives_exactly_mix_num_samples_guidance_responses(models):
     assert torch.all(
         (off & mask) == (per_response.view(-1, 1) & mask)
     )  # whole responses, not tokens
-    # behavior is the emitting engine's own log-prob: guidance for guidance responses, draft otherwise
-    torch.testing.assert_close(out.batch["behavior_log_probs"], out.batch["guidance_log_probs"])
+    # behavior is the emitting engine's own log-prob: guidance for guidance responses, draft
+    # otherwise; the guidance never scored the draft's responses: their q is missing (floor)
+    b, guided = out.batch, (off & mask).any(-1, keepdim=True)
+    expected = torch.where(guided, b["guidance_log_probs"], b["rollout_log_probs"])
+    torch.testing.assert_close(b["behavior_log_probs"], expected)
+    assert torch.equal(b["guidance_missing_mask"], mask & ~guided)
+    assert torch.all(b["guidance_log_probs"][mask & ~guided] == LOG_PROB_FLOOR)
     # ... of the distribution it sampled from (temperature 0.7), checked on each first token
     prompt = tok("1+1=")["input_ids"]
     for row, path in ((0, models[1]), (2, models[0])):  # samples 0-1 guidance, 2-4 draft
@@ -305,3 +313,145 @@ def test_rewinding_sessions_stay_exact_over_many_rounds_and_score_only_new_token
         exact = (0.5 * p + 0.5 * q).log().gather(-1, ids[0, -24:].unsqueeze(-1)).squeeze(-1)
         torch.testing.assert_close(b["behavior_log_probs"][i].double(), exact, rtol=0, atol=1e-3)
     assert emitted == 8 * 24
+
+
+# ------------------------------------------------------------------ top-k / top-p, two model pairs
+# Truncated sampling makes q exactly 0 outside the guidance's processed support: a draft token
+# there has behavior (1-λ)·p(x), not p(x). Checked on the usual Qwen2 pair (char tokenizer) and on
+# a Llama pair (untied embeddings) with a BPE tokenizer trained here, with merges, whose 100
+# tokens sit in 128 embedding rows (the 28 padded rows are real, sampleable ids for both models).
+PAIRS = {
+    "qwen2-char": dict(arch="qwen2", vocab=VOCAB, bpe=False, draft=(128, 2), guidance=(256, 2)),
+    "llama-bpe": dict(arch="llama", vocab=128, bpe=True, draft=(128, 2), guidance=(192, 3)),
+}
+PROCESSING = {"top_k": dict(top_k=20), "top_p": dict(top_p=0.8, temperature=0.8)}
+
+
+@pytest.fixture(scope="module", params=list(PAIRS))
+def pair(request, tmp_path_factory):
+    """(rollout with guidance, tokenizer, HF draft, HF guidance, vocab) of one pair."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl.utils.tiny_lm import TinyLMSpec, build_bpe_tokenizer, save_tiny_lm
+
+    spec = PAIRS[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    tokenizer = build_bpe_tokenizer(100) if spec["bpe"] else None
+    paths = [save_tiny_lm(str(root / name), TinyLMSpec(hidden_size=width, num_hidden_layers=layers,
+                                                        vocab_size=spec["vocab"], seed=seed, arch=spec["arch"]), tokenizer=tokenizer)
+             for seed, name in enumerate(("draft", "guidance"), start=1)
+             for width, layers in [spec[name]]]  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(paths[0])
+    if spec["bpe"]:  # the trained merges are in use: "12" is one token
+        assert len(tok) == 100 and len(tok("12+34=")["input_ids"]) < 6
+    cfg = rollout_config(paths[1], vocab=spec["vocab"])
+    rollout = VLLMRollout(paths[0], cfg, tok.eos_token_id, tok.pad_token_id)
+    hf = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in paths]
+    yield rollout, tok, *hf, spec["vocab"]
+    rollout.shutdown()
+
+
+def vllm_processed_probs(logits: torch.Tensor, temperature=1.0, top_k=-1, top_p=1.0):
+    """vLLM's sampling distribution from raw logits (..., V): logits / T; top-k keeps the logits
+    >= the k-th largest; top-p then sorts the renormalised probabilities ascending and drops
+    those whose cumulative sum stays <= 1 - top_p, never the largest."""
+    z = logits.double() / temperature
+    if top_k > 0:
+        kth = z.sort(-1, descending=True).values[..., top_k - 1 : top_k]
+        z = z.masked_fill(z < kth, float("-inf"))
+    probs = torch.softmax(z, -1)
+    if top_p < 1.0:
+        ascending, order = probs.sort(-1)
+        drop = ascending.cumsum(-1) <= 1 - top_p
+        drop[..., -1] = False
+        probs = probs.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+class processing:
+    """Set the rollout's top-k / top-p for a block (both engines read them at every call)."""
+
+    def __init__(self, rollout: VLLMRollout, **settings) -> None:
+        self.cfg, self.settings = rollout.config, settings
+        self.saved = {k: getattr(rollout.config, k) for k in ("top_k", "top_p")}
+
+    def __enter__(self) -> None:
+        for key in ("top_k", "top_p"):
+            setattr(self.cfg, key, self.settings.get(key, self.saved[key]))
+
+    def __exit__(self, *exc) -> None:
+        for key, value in self.saved.items():
+            setattr(self.cfg, key, value)
+
+
+def floor_log(probs: torch.Tensor) -> torch.Tensor:
+    """log of probabilities, with log 0 as the rollout's floor."""
+    return probs.log().clamp(min=LOG_PROB_FLOOR)
+
+
+@pytest.mark.parametrize("lam", [0.5, 1.0])
+@pytest.mark.parametrize("name", list(PROCESSING))
+def test_truncated_first_token_follows_q_lambda_with_exact_behavior(pair, name, lam):
+    """20,000 first tokens under top-k (or top-p at temperature 0.8) follow (1-λ)p + λq of the
+    processed distributions (chi-square), and every behavior log-prob equals log q_λ from HF
+    forwards, also for draft tokens the guidance's truncation removes (q = 0: log((1-λ)p))."""
+    rollout, tok, draft_hf, guide_hf, _ = pair
+    settings = PROCESSING[name]
+    temperature = settings.get("temperature", 1.0)
+    prompt = tok("12+7=")["input_ids"]
+    with processing(rollout, **settings):
+        out = rollout.generate_sequences(
+            prompt_batch(tok, ["12+7="], n=N, lam=lam, temperature=temperature, max_tokens=1)
+        )
+    with torch.no_grad():
+        p, q = (vllm_processed_probs(m(torch.tensor([prompt])).logits[0, -1], **settings)
+                for m in (draft_hf, guide_hf))  # fmt: skip
+    target = (1 - lam) * p + lam * q
+    b = out.batch
+    first, off = b["responses"][:, 0], b["offpolicy_mask"][:, 0]
+    assert chi2_pvalue(first, target) > 1e-3
+    torch.testing.assert_close(b["behavior_log_probs"][:, 0].double(), floor_log(target)[first], rtol=0, atol=1e-3)  # fmt: skip
+    torch.testing.assert_close(b["guidance_log_probs"][:, 0].double(), floor_log(q)[first], rtol=0, atol=1e-3)  # fmt: skip
+    assert not b["guidance_missing_mask"].any()  # the log-probs cover the vocabulary
+    outside = (q[first] == 0) & ~off  # draft tokens the guidance's truncation removes
+    if lam < 1.0:  # the case of the bug: many, each with behavior log((1-λ)p), not log p
+        assert outside.sum() > N // 20
+        expected = (torch.log1p(torch.tensor(-lam)) + p.log())[first[outside]]
+        torch.testing.assert_close(b["behavior_log_probs"][outside, 0].double(), expected.double(), rtol=0, atol=1e-3)  # fmt: skip
+    else:  # λ = 1 samples from q alone: no token outside its support
+        assert not outside.any()
+
+
+@pytest.mark.parametrize("lam", [0.5, 1.0])
+@pytest.mark.parametrize("name", list(PROCESSING))
+def test_truncated_sequences_behavior_matches_hf_forwards(pair, name, lam):
+    """Whole sampled sequences (3 prompts x 8, up to 8 tokens, bonus tokens included): behavior,
+    draft and guidance log-probs of every token equal those of HF forwards of both models,
+    processed like the samplers (the floor where a probability is 0)."""
+    rollout, tok, draft_hf, guide_hf, _ = pair
+    settings = PROCESSING[name]
+    with processing(rollout, **settings):
+        out = rollout.generate_sequences(prompt_batch(
+            tok, ["12+7=", "3+45=", "99+1="], n=8, lam=lam, temperature=settings.get("temperature", 1.0)))  # fmt: skip
+    b = out.batch
+    lengths = b["response_mask"].sum(-1).long()
+    zero_q_draft_tokens = 0
+    for i in range(len(lengths)):
+        n = int(lengths[i])
+        ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
+        toks = ids[0, -n:].unsqueeze(-1)
+        with torch.no_grad():
+            p, q = (vllm_processed_probs(m(ids).logits[0, -n - 1 : -1], **settings)
+                    for m in (draft_hf, guide_hf))  # fmt: skip
+        mu = ((1 - lam) * p + lam * q).gather(-1, toks).squeeze(-1)
+        p_x, q_x = p.gather(-1, toks).squeeze(-1), q.gather(-1, toks).squeeze(-1)
+        for key, expected in (("behavior_log_probs", mu), ("rollout_log_probs", p_x), ("guidance_log_probs", q_x)):  # fmt: skip
+            torch.testing.assert_close(b[key][i, :n].double(), floor_log(expected), rtol=0, atol=1e-3, msg=key)  # fmt: skip
+        zero_q_draft_tokens += int(((q_x == 0) & ~b["offpolicy_mask"][i, :n]).sum())
+    assert not b["guidance_missing_mask"].any()
+    if lam < 1.0:  # bonus tokens and the exact-zero case were among the tokens checked (at λ = 1
+        # a draft token needs q > 0, and a round of 4 rarely passes whole)
+        assert out.meta_info["bonus_tokens"] > 0 and zero_q_draft_tokens > 0
+    else:
+        assert zero_q_draft_tokens == 0
