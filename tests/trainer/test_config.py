@@ -13,6 +13,7 @@ from omegaconf import DictConfig, ListConfig
 import verl
 from verl.trainer.config import PPOConfig, load_config, to_dict
 from verl.trainer.core_algos.advantage import ADV_ESTIMATORS
+from verl.trainer.core_algos.distill import DISTILL_MODES
 from verl.trainer.core_algos.guidance import BEHAVIORS, GUIDANCE_MODES, LAM_SCHEDULES
 from verl.trainer.core_algos.kl import KL_ESTIMATORS
 from verl.trainer.core_algos.offpolicy import RATIO_LEVELS
@@ -108,6 +109,14 @@ def test_derived_keys_follow_the_algorithm_and_data_sections():
     assert actor.importance_detach is False
     assert actor.opsm_delta == 0.2
     assert config.trainer.save_checkpoint_path == os.path.join("checkpoints", "p", "e")
+
+
+@pytest.mark.parametrize(("mode", "actor_coef"), [("reward", 0.0), ("loss", 0.3)])
+def test_distill_keys_reach_the_actor_only_in_loss_mode(mode, actor_coef):
+    config = load_config([f"{GUIDANCE}.enable=true", f"{GUIDANCE}.model_path=/models/guide", "algorithm.adv_estimator=none",
+                          "algorithm.distill.coef=0.3", f"algorithm.distill.mode={mode}", "algorithm.distill.estimator=k3"])  # fmt: skip
+    assert config.worker.actor.distill_coef == actor_coef
+    assert config.worker.actor.distill_estimator == "k3"
 
 
 def test_explicit_save_checkpoint_path_is_kept():
@@ -227,6 +236,7 @@ CONFIG_MODULES = {
 EXPECTED_CLASSES = {
     "DataConfig",
     "AlgorithmConfig",
+    "DistillConfig",
     "TrainerConfig",
     "PPOConfig",
     "WorkerConfig",
@@ -340,6 +350,8 @@ CHOICE_CASES = [
     (f"{GUIDANCE}.mode", GUIDANCE_MODES.names()),
     (f"{GUIDANCE}.behavior", BEHAVIORS.names()),
     (f"{GUIDANCE}.lam_schedule", LAM_SCHEDULES.names()),
+    ("algorithm.distill.mode", DISTILL_MODES.names()),
+    ("algorithm.distill.estimator", KL_ESTIMATORS.names()),
 ]
 
 
@@ -414,6 +426,21 @@ ERROR_CASES = [
         "geometric_lower_above_upper",
         ["algorithm.geometric_mask_lower=3.0", "algorithm.geometric_mask_upper=2.0"],
         ["algorithm.geometric_mask_lower=3.0", "algorithm.geometric_mask_upper=2.0"],
+    ),
+    (
+        "distill_without_guidance",
+        ["algorithm.distill.coef=0.1"],
+        ["algorithm.distill.coef=0.1", "offpolicy_guidance.enable=true"],
+    ),
+    (
+        "no_outcome_advantage_without_distill",
+        ["algorithm.adv_estimator=none"],
+        ["algorithm.adv_estimator='none'", "algorithm.distill.coef > 0"],
+    ),
+    (
+        "distill_coef_negative",
+        ["algorithm.distill.coef=-1"],
+        ["algorithm.distill.coef=-1.0", "[0.0, inf]"],
     ),
     ("rollout_n_zero", ["worker.rollout.n=0"], ["worker.rollout.n=0", "[1, inf]"]),
     (

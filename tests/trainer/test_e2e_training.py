@@ -115,6 +115,8 @@ def assert_trained(assets, run_dir: str, rows: list[dict], step: int = 2) -> Non
 
 TRAIN_KEYS = ["actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean",
               "timing_s/gen", "timing_s/update_actor", "perf/throughput", "mismatch/kl_v1"]  # fmt: skip
+DISTILL_KEYS = ["distill/reverse_kl", "distill/teacher_log_prob", "distill/missing_frac",
+                "distill/advantage_abs"]  # fmt: skip
 GUIDED_KEYS = ["guidance/offpolicy_token_ratio", "guidance/is_weight_mean", "guidance/is_clip_frac",
                "guidance/behavior_kl", "guidance/lambda"]  # fmt: skip
 
@@ -132,6 +134,11 @@ GUIDED_KEYS = ["guidance/offpolicy_token_ratio", "guidance/is_weight_mean", "gui
          [*GUIDED_KEYS, "variance_proxy/proxy2_total_power"]),
         ("opsm", {"algorithm": {"opsm_delta": 0.0}}, [*GUIDED_KEYS, "actor/opsm_masked_seq_frac"]),
         ("cppo", {"worker": {"actor": {"loss_type": "cppo"}}}, GUIDED_KEYS),
+        ("distill_reward", {"algorithm": {"distill": {"coef": 0.5}}}, [*GUIDED_KEYS, *DISTILL_KEYS]),
+        ("distill_loss", {"algorithm": {"distill": {"coef": 0.5, "mode": "loss", "estimator": "k3"}}},
+         [*GUIDED_KEYS, *DISTILL_KEYS[:3], "actor/distill_loss"]),
+        ("distill_pure", {"algorithm": {"adv_estimator": "none", "distill": {"coef": 1.0}},
+                          "worker": {"rollout": {"offpolicy_guidance": {"lam": 0.0}}}}, DISTILL_KEYS),
     ],
 )  # fmt: skip
 def test_two_step_run_trains_and_logs_finite_metrics(
@@ -148,6 +155,15 @@ def test_two_step_run_trains_and_logs_finite_metrics(
         assert "val/reward_score" in rows[0] and rows[0]["step"] == 0
         assert "val/reward_score" in rows[-1] and rows[-1]["step"] == 2
         assert not any(k.startswith("guidance/") for r in steps for k in r)
+    if name == "distill_pure":  # λ = 0: the guidance only scores, every token is the draft's
+        assert all(
+            r["guidance/offpolicy_token_ratio"] == 0 and r["distill/missing_frac"] == 0
+            for r in steps
+        )
+    if name == "distill_loss":
+        assert not any(
+            "distill/advantage_abs" in r for r in steps
+        )  # the outcome advantage is left alone
     if name == "mix":  # one of the n=4 samples per prompt is the guidance's: 1/4 of the tokens
         assert all(r["guidance/offpolicy_seq_ratio"] == pytest.approx(0.25) for r in steps)
         # the guidance never scores the draft's responses: their tokens are missing, not p; the

@@ -18,6 +18,7 @@ def test_names_are_unique_and_namespaced():
         "mismatch/kl_v1", "mismatch/kl_v2", "variance_proxy/proxy1_signal_strength",
         "variance_proxy/proxy2_total_power", "variance_proxy/proxy3_pure_noise", "actor/pg_loss", "actor/ppo_kl",
         "actor/pg_clipfrac", "actor/grad_norm", "actor/lr", "actor/entropy", "actor/kl_loss",
+        "distill/reverse_kl", "distill/teacher_log_prob", "distill/missing_frac", "distill/advantage_abs",
     ):  # fmt: skip
         assert required in M.ALL_FIXED, required
 
@@ -45,6 +46,7 @@ def test_core_algorithms_emit_only_documented_names():
             adv, mask, old, torch.rand(4, 5, generator=gen), grad_norm=1.0
         )
     )
+    emitted.update(C.compute_distill_metrics(old, new, mask, off, None, "k1", adv))
     assert emitted
     undocumented = [k for k in emitted if k not in M.ALL_FIXED]
     assert not undocumented, undocumented

@@ -39,16 +39,17 @@ def test_tensorboard_and_offline_wandb_write_their_files(tmp_path, monkeypatch):
     assert any(name.startswith("offline-run") for name in os.listdir(tmp_path / "wandb"))
 
 
-def test_plots_cover_reward_guidance_mismatch_and_weights(tmp_path):
+def test_plots_cover_reward_guidance_mismatch_distill_and_weights(tmp_path):
     with open(tmp_path / "experiment_log.jsonl", "w") as f:
         for step in range(1, 4):
             f.write(json.dumps({"step": step, "critic/score/mean": step / 4, "response_length/mean": 3.0,
                                 "guidance/offpolicy_token_ratio": 0.1, "guidance/is_weight_mean": 1.0,
-                                "mismatch/kl_v1": 0.0, "actor/pg_loss": None}) + "\n")  # fmt: skip
+                                "mismatch/kl_v1": 0.0, "actor/pg_loss": None, "distill/reverse_kl": 0.5}) + "\n")  # fmt: skip
     assert read_log(str(tmp_path))["critic/score/mean"] == [(1, 0.25), (2, 0.5), (3, 0.75)]
     written = plot_run(str(tmp_path))
     names = sorted(os.path.basename(p) for p in written)
     assert names == [
+        "distill.png",
         "guidance.png",
         "importance_weights.png",
         "mismatch.png",

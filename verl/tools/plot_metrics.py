@@ -1,7 +1,7 @@
 """PNG panels of a run's metrics: `python -m verl.tools.plot_metrics <run_dir>`.
 
 Reads `<run_dir>/experiment_log.jsonl` (the file logger) and writes `<run_dir>/plots/*.png`:
-reward, response length, guidance/*, mismatch/* and importance-weight statistics, one figure per
+reward, response length, guidance/*, mismatch/*, distill/* and importance-weight statistics, one figure per
 group with one panel per metric. Also called at the end of every training run.
 """
 
@@ -21,6 +21,7 @@ GROUPS = {
     ),
     "guidance": ("guidance/",),
     "mismatch": ("mismatch/",),
+    "distill": ("distill/", "actor/distill_loss"),
     "importance_weights": (
         "guidance/is_weight_mean",
         "guidance/is_weight_std",

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from verl.trainer.core_algos.advantage import ADV_ESTIMATORS, needs_sum_pi_squared
+from verl.trainer.core_algos.distill import DISTILL_MODES
 from verl.trainer.core_algos.kl import KL_ESTIMATORS
 from verl.trainer.core_algos.offpolicy import RATIO_LEVELS
 from verl.utils.config_checks import ConfigError, check_choice, check_range, fail
@@ -61,6 +62,24 @@ class DataConfig:
         check_range(f"{prefix}.rollout_batch_size", self.rollout_batch_size, 1)
         if self.val_batch_size != -1:
             check_range(f"{prefix}.val_batch_size", self.val_batch_size, 1)
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation from the guidance: a per-token reverse KL toward its log-probs."""
+
+    coef: float = 0.0
+    """β, the weight of the reverse KL toward the guidance (0: off; needs guidance enabled)."""
+    mode: str = "reward"
+    """reward: A_t += -β·k_t after the outcome normalisation; loss: β·k_t joins the actor loss (DISTILL_MODES)."""
+    estimator: str = "k1"
+    """Sampled-token reverse-KL estimator (KL_ESTIMATORS): k1 or k3 (unbiased); reward mode wants k1."""
+
+    def validate(self, prefix: str) -> None:
+        """Fail fast on bad values."""
+        check_range(f"{prefix}.coef", self.coef, 0.0)
+        check_choice(f"{prefix}.mode", self.mode, DISTILL_MODES.names())
+        check_choice(f"{prefix}.estimator", self.estimator, KL_ESTIMATORS.names())
 
 
 @dataclass
@@ -111,6 +130,8 @@ class AlgorithmConfig:
     """OPSM: drop responses with A < 0 and mean log(μ/π_θ) > δ (None: off)."""
     mismatch_forced_threshold: float = -0.01
     """Tokens sampled with log-prob above this are 'forced' and left out of mismatch KLs."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from the guidance model (README_guidance.md)."""
 
     def validate(self, prefix: str) -> None:
         """Fail fast on bad values."""
@@ -131,6 +152,7 @@ class AlgorithmConfig:
                 fail(f"{prefix}.{name}_lower", low, f"must not exceed {prefix}.{name}_upper={high}")
         if self.opsm_delta is not None:
             check_range(f"{prefix}.opsm_delta", self.opsm_delta, 0.0)
+        self.distill.validate(f"{prefix}.distill")
 
 
 @dataclass
@@ -210,6 +232,8 @@ class PPOConfig:
             algo.importance_clamp_max,
         )
         actor.importance_detach, actor.opsm_delta = algo.importance_detach, algo.opsm_delta
+        actor.distill_coef = algo.distill.coef if algo.distill.mode == "loss" else 0.0
+        actor.distill_estimator = algo.distill.estimator
         if self.worker.reward.reward_function is None:
             embedded = self.data.train_files.startswith("embedded://arithmetic")
             self.worker.reward.reward_function = "arithmetic" if embedded else "math"
@@ -232,12 +256,24 @@ class PPOConfig:
             fail("data.rollout_batch_size", self.data.rollout_batch_size,
                  f"rollout_batch_size x worker.rollout.n = {responses} responses must split evenly over "
                  f"trainer.nnodes x trainer.n_gpus_per_node = {world} workers")  # fmt: skip
+        self._validate_distill()
         if (
             needs_sum_pi_squared(self.algorithm.adv_estimator)
             and not self.worker.actor.calculate_sum_pi_squared
         ):
             fail("worker.actor.calculate_sum_pi_squared", False,
                  f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} needs Σπ²; set it to true")  # fmt: skip
+
+    def _validate_distill(self) -> None:
+        """Distillation needs the guidance as teacher; no outcome advantage needs distillation."""
+        coef = self.algorithm.distill.coef
+        if coef > 0 and not self.worker.rollout.offpolicy_guidance.enable:
+            fail("algorithm.distill.coef", coef,
+                 "distillation reads the guidance's log-probs: set worker.rollout.offpolicy_guidance.enable=true "
+                 "(with offpolicy_guidance.lam=0 the guidance only scores)")  # fmt: skip
+        if ADV_ESTIMATORS.canonical(self.algorithm.adv_estimator) == "none" and coef == 0:
+            fail("algorithm.adv_estimator", "none",
+                 "gives every token advantage 0: set algorithm.distill.coef > 0 (pure distillation)")  # fmt: skip
 
     @property
     def uses_importance_weights(self) -> bool:

@@ -22,6 +22,7 @@ import torch
 from verl.protocol import DataProto
 from verl.trainer.config import PPOConfig, to_dict
 from verl.trainer.core_algos.advantage import get_adv_estimator_fn, is_grouped
+from verl.trainer.core_algos.distill import compute_distill_metrics, distill_advantages
 from verl.trainer.core_algos.guidance import compute_guidance_metrics
 from verl.trainer.core_algos.kl import apply_kl_penalty, compute_mismatch_metrics
 from verl.trainer.core_algos.offpolicy import (
@@ -173,6 +174,14 @@ class RayPPOTrainer:
             sum_pi_squared=b.get("sum_pi_squared"), rollout_is_weights=b.get("importance_weights"),
             otb_epsilon=algo.otb_epsilon, otb_handle_zero_tail=algo.otb_handle_zero_tail,
         )  # fmt: skip
+        distill, term = algo.distill, None
+        if distill.coef > 0:  # the guidance as teacher, after the outcome normalisation
+            teacher, missing = b["guidance_log_probs"], b.get("guidance_missing_mask")
+            if distill.mode == "reward":
+                advantages, term = distill_advantages(advantages, b["old_log_probs"], teacher, b["response_mask"],
+                                                      missing, distill.coef, distill.estimator)  # fmt: skip
+            metrics.update(compute_distill_metrics(b["old_log_probs"], teacher, b["response_mask"], missing,
+                                                   b.get("importance_weights"), distill.estimator, term))  # fmt: skip
         b["advantages"], b["returns"] = advantages, returns
         if "sum_pi_squared" in b.keys():
             metrics.update(compute_variance_proxy_metrics(advantages, b["response_mask"], b["old_log_probs"],

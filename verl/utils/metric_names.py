@@ -11,6 +11,7 @@ NAMESPACES = (
     "guidance",
     "mismatch",
     "variance_proxy",
+    "distill",
     "actor",
     "critic/score",
     "response_length",
@@ -48,6 +49,12 @@ VARIANCE_PROXY_PURE_NOISE = "variance_proxy/proxy3_pure_noise"
 VARIANCE_PROXY_EXPECTED_A2 = "variance_proxy/expected_a_squared"
 VARIANCE_PROXY_EXPECTED_W = "variance_proxy/expected_w"
 
+# distill/*: on-policy distillation from the guidance (the teacher's log-probs of sampled tokens).
+DISTILL_REVERSE_KL = "distill/reverse_kl"
+DISTILL_TEACHER_LOG_PROB = "distill/teacher_log_prob"
+DISTILL_MISSING_FRAC = "distill/missing_frac"
+DISTILL_ADVANTAGE_ABS = "distill/advantage_abs"
+
 # actor/*: policy update.
 ACTOR_PG_LOSS = "actor/pg_loss"
 ACTOR_PPO_KL = "actor/ppo_kl"
@@ -57,6 +64,7 @@ ACTOR_GRAD_NORM = "actor/grad_norm"
 ACTOR_LR = "actor/lr"
 ACTOR_ENTROPY = "actor/entropy"
 ACTOR_KL_LOSS = "actor/kl_loss"
+ACTOR_DISTILL_LOSS = "actor/distill_loss"
 ACTOR_OPSM_MASKED_SEQ_FRAC = "actor/opsm_masked_seq_frac"
 ACTOR_SKIPPED_STEPS = "actor/skipped_steps"
 ACTOR_LUFFY_TOKEN_FRAC = "actor/luffy_token_frac"

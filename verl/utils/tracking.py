@@ -52,6 +52,8 @@ class Tracking:
             postfix = {"reward": f"{metrics['critic/score/mean']:.3f}"}
             if "guidance/offpolicy_token_ratio" in metrics:
                 postfix["guided"] = f"{metrics['guidance/offpolicy_token_ratio']:.3f}"
+            if "distill/reverse_kl" in metrics:
+                postfix["teacher_kl"] = f"{metrics['distill/reverse_kl']:.3f}"
             self._bar.set_postfix(postfix)
             self._bar.update(max(step - self._bar.n, 0))
 

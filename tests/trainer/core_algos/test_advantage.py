@@ -29,6 +29,7 @@ CANONICAL = [
     "reinforce_plus_plus",
     "optimal_token_baseline",
     "tir_optimal_token_baseline",
+    "none",
 ]
 # filler for padding / tool-output positions: energy would be 1 - 2*0.1 + 0.9 = 1.7 if counted
 PAD_P, PAD_S = 0.1, 0.9
@@ -84,7 +85,7 @@ def test_unknown_estimator_raises_value_error_listing_valid_names():
     message = str(excinfo.value)
     assert "gae_typo" in message
     names = ADV_ESTIMATORS.names()
-    assert len(names) == 7
+    assert len(names) == 8
     for name in names:
         assert name in message
 
@@ -115,6 +116,7 @@ def test_needs_sum_pi_squared(name, expected):
         ("otb", True),
         ("tir_optimal_token_baseline", True),
         ("tir_otb", True),
+        ("none", False),
     ],
 )
 def test_is_grouped(name, expected):
@@ -125,6 +127,16 @@ def test_is_grouped(name, expected):
 def test_capability_queries_reject_unknown_names(query):
     with pytest.raises(ValueError, match="grpo"):
         query("not_an_estimator")
+
+
+def test_none_estimator_gives_zero_advantages_and_raw_returns():
+    rewards, mask = _t([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]]), _t([[1, 1, 1], [1, 1, 0]])
+    advantages, returns = get_adv_estimator_fn("none")(
+        token_level_rewards=rewards, response_mask=mask, index=_uids("a", "a")
+    )
+    assert torch.equal(advantages, torch.zeros_like(rewards))
+    # returns-to-go: [1, 1, 1] and [2, 2, 0] (padding zero)
+    torch.testing.assert_close(returns, _t([[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]))
 
 
 # --------------------------------------------------------------------------------------------

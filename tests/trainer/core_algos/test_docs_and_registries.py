@@ -12,6 +12,7 @@ REGISTRIES = {
     "loss aggregation": C.LOSS_AGG_MODES,
     "kl estimator": C.KL_ESTIMATORS,
     "guidance behavior": C.BEHAVIORS,
+    "distillation mode": C.DISTILL_MODES,
 }
 
 EXPECTED_NAMES = {
@@ -21,11 +22,13 @@ EXPECTED_NAMES = {
         "reinforce_plus_plus",
         "optimal_token_baseline",
         "tir_optimal_token_baseline",
+        "none",
     },
     "policy loss": {"ppo", "dppo_tv", "cppo"},
     "loss aggregation": {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"},
     "kl estimator": {"k1", "k2", "k3"},
     "guidance behavior": {"exact", "provenance"},
+    "distillation mode": {"reward", "loss"},
 }
 
 STANDALONE = [
@@ -39,6 +42,8 @@ STANDALONE = [
     C.luffy_shaping,
     C.apply_kl_penalty,
     C.compute_mismatch_metrics,
+    C.distill_token_kl,
+    C.compute_distill_metrics,
 ]
 
 

@@ -455,3 +455,40 @@ def test_truncated_sequences_behavior_matches_hf_forwards(pair, name, lam):
         assert out.meta_info["bonus_tokens"] > 0 and zero_q_draft_tokens > 0
     else:
         assert zero_q_draft_tokens == 0
+
+
+@pytest.mark.parametrize("scoring", ["overlap", "prefill"])
+def test_teacher_only_rollout_scores_every_draft_token(guided, models, scoring):
+    """λ = 0 (distillation's teacher-only rollout): the guidance never overrides a token, and its
+    log q of every token equals HF's (top-k 20, so some are exact zeros), whether it scores in
+    rounds beside the drafting or in one prefill of each whole response."""
+    from transformers import AutoModelForCausalLM
+
+    rollout, tok = guided
+    g = rollout.config.offpolicy_guidance
+    g.teacher_scoring = scoring
+    try:
+        with processing(rollout, top_k=20):
+            out = rollout.generate_sequences(prompt_batch(tok, ["12+7=", "3+45="], n=8, lam=0.0))
+    finally:
+        g.teacher_scoring = RolloutConfig().offpolicy_guidance.teacher_scoring
+    b = out.batch
+    assert not b["offpolicy_mask"].any() and not b["guidance_missing_mask"].any()
+    torch.testing.assert_close(b["behavior_log_probs"], b["rollout_log_probs"], rtol=0, atol=1e-6)
+    hf = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32) for p in models]
+    zeros = 0
+    for i in range(len(b["responses"])):
+        n = int(b["response_mask"][i].sum())
+        ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
+        with torch.no_grad():
+            p, q = (vllm_processed_probs(m(ids).logits[0, -n - 1 : -1], top_k=20) for m in hf)
+        toks = ids[0, -n:].unsqueeze(-1)
+        q_x = q.gather(-1, toks).squeeze(-1)
+        torch.testing.assert_close(
+            b["guidance_log_probs"][i, :n].double(), floor_log(q_x), rtol=0, atol=1e-3
+        )
+        torch.testing.assert_close(b["rollout_log_probs"][i, :n].double(), floor_log(p.gather(-1, toks).squeeze(-1)), rtol=0, atol=1e-3)  # fmt: skip
+        zeros += int((q_x == 0).sum())
+    assert zeros > 0 and out.meta_info["guidance_tokens_computed"] > 0
+    cores = len(os.sched_getaffinity(0))  # the prefill path lends every core and gives them back
+    assert torch.get_num_threads() == max(1, cores - max(1, cores // 2))

@@ -1,13 +1,14 @@
 """The algorithm core (DESIGN.md §4): pure tensor functions on (B, T) tensors in registries.
 
 Look algorithms up by name: `get_adv_estimator_fn`, `get_policy_loss_fn`, `KL_ESTIMATORS`,
-`LOSS_AGG_MODES`, `RATIO_LEVELS`, `GUIDANCE_MODES`, `BEHAVIORS`, `LAM_SCHEDULES`.
+`LOSS_AGG_MODES`, `RATIO_LEVELS`, `GUIDANCE_MODES`, `BEHAVIORS`, `LAM_SCHEDULES`, `DISTILL_MODES`.
 Nothing here imports vLLM, Ray, torch.distributed or worker code.
 """
 
 from verl.trainer.core_algos.advantage import (
     ADV_ESTIMATORS,
     compute_grpo_outcome_advantage,
+    compute_no_outcome_advantage,
     compute_optimal_token_baseline_advantage,
     compute_reinforce_plus_plus_outcome_advantage,
     compute_rloo_outcome_advantage,
@@ -18,6 +19,13 @@ from verl.trainer.core_algos.advantage import (
     is_grouped,
     needs_sum_pi_squared,
     register_adv_est,
+)
+from verl.trainer.core_algos.distill import (
+    DISTILL_MODES,
+    compute_distill_metrics,
+    distill_advantages,
+    distill_loss,
+    distill_token_kl,
 )
 from verl.trainer.core_algos.guidance import (
     BEHAVIORS,
@@ -64,6 +72,7 @@ from verl.trainer.core_algos.sum_pi_squared import (
 __all__ = [
     "ADV_ESTIMATORS",
     "BEHAVIORS",
+    "DISTILL_MODES",
     "GUIDANCE_MODES",
     "KL_ESTIMATORS",
     "LAM_SCHEDULES",
@@ -74,11 +83,13 @@ __all__ = [
     "agg_loss",
     "apply_kl_penalty",
     "compute_behavior_log_probs",
+    "compute_distill_metrics",
     "compute_geometric_mask",
     "compute_grpo_outcome_advantage",
     "compute_guidance_metrics",
     "compute_importance_weights",
     "compute_mismatch_metrics",
+    "compute_no_outcome_advantage",
     "compute_opsm_mask",
     "compute_optimal_token_baseline_advantage",
     "compute_policy_loss_cppo",
@@ -92,6 +103,9 @@ __all__ = [
     "compute_variance_proxy_metrics",
     "cppo_keep_mask",
     "discounted_returns",
+    "distill_advantages",
+    "distill_loss",
+    "distill_token_kl",
     "dppo_tv_keep_mask",
     "get_adv_estimator_fn",
     "get_policy_loss_fn",

@@ -235,6 +235,18 @@ def compute_tir_optimal_token_baseline_advantage(
         )  # fmt: skip
 
 
+@register_adv_est("none")
+def compute_no_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, **_: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """No outcome signal: A = 0 (B, T), so only a distillation term trains (pure on-policy
+    distillation, no verifier: `algorithm.distill.coef` > 0). Returns are the raw returns.
+    Paper: https://thinkingmachines.ai/blog/on-policy-distillation.
+    """
+    returns = discounted_returns(token_level_rewards, response_mask)
+    return torch.zeros_like(token_level_rewards) * response_mask, returns
+
+
 def needs_sum_pi_squared(name: str) -> bool:
     """True for the estimators that read `sum_pi_squared` (the OTB family)."""
     return ADV_ESTIMATORS.canonical(name) in (
@@ -245,4 +257,4 @@ def needs_sum_pi_squared(name: str) -> bool:
 
 def is_grouped(name: str) -> bool:
     """True for estimators whose baseline pools the samples of one uid group."""
-    return ADV_ESTIMATORS.canonical(name) != "reinforce_plus_plus"
+    return ADV_ESTIMATORS.canonical(name) not in ("reinforce_plus_plus", "none")

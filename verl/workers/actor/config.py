@@ -172,6 +172,10 @@ class ActorConfig:
     """auto: algorithm.importance_detach."""
     opsm_delta: float | None = None
     """auto: algorithm.opsm_delta."""
+    distill_coef: float = 0.0
+    """auto: algorithm.distill.coef in loss mode (0 otherwise): β of the distillation loss term."""
+    distill_estimator: str = "k1"
+    """auto: algorithm.distill.estimator."""
 
     def policy_loss_config(self) -> PolicyLossConfig:
         """The loss hyper-parameters, as the algorithm core wants them (same field names)."""

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from verl.protocol import DataProto
+from verl.trainer.core_algos.distill import distill_loss
 from verl.trainer.core_algos.kl import kl_penalty
 from verl.trainer.core_algos.policy_loss import agg_loss, get_policy_loss_fn
 from verl.trainer.core_algos.sum_pi_squared import softmax_statistics
@@ -36,6 +37,7 @@ OPTIONAL_UPDATE_KEYS = (
     "rollout_mask",
     "ref_log_probs",
 )
+DISTILL_KEYS = ("guidance_log_probs", "guidance_missing_mask")  # read when distill_coef > 0
 
 
 def _world() -> tuple[int, int]:
@@ -267,11 +269,10 @@ class DataParallelPPOActor:
         if self.actor_optimizer is None:
             raise RuntimeError("update_policy needs an optimizer")
         temperature = data.meta_info.get("temperature", 1.0)
-        keys = [
-            k
-            for k in (*MODEL_INPUTS, "old_log_probs", "advantages", *OPTIONAL_UPDATE_KEYS)
-            if k in data.batch.keys()
-        ]
+        wanted = (*MODEL_INPUTS, "old_log_probs", "advantages", *OPTIONAL_UPDATE_KEYS)
+        if self.config.distill_coef > 0:
+            wanted += DISTILL_KEYS
+        keys = [k for k in wanted if k in data.batch.keys()]
         data = data.select(keys)
         _, world = _world()
         mini_size = max(self.config.global_batch_size // world, 1)
@@ -321,6 +322,12 @@ class DataParallelPPOActor:
                 kl_loss = agg_loss(kl, batch["response_mask"], **agg)
                 loss = loss + self.config.kl_coef * kl_loss
                 totals[M.ACTOR_KL_LOSS] += kl_loss.item()
+            if self.config.distill_coef > 0:
+                term = distill_loss(stats["log_probs"], batch["guidance_log_probs"], batch["response_mask"],
+                                    batch.get("guidance_missing_mask"), batch.get("importance_weights"),
+                                    self.config.distill_estimator, **agg)  # fmt: skip
+                loss = loss + self.config.distill_coef * term
+                totals[M.ACTOR_DISTILL_LOSS] += term.item()
             # FSDP averages gradients over ranks; the global normalisers already divide by all ranks
             (loss * world).backward()
             for key, value in pg_metrics.items():

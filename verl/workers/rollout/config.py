@@ -8,6 +8,9 @@ from typing import Any
 from verl.trainer.core_algos.guidance import BEHAVIORS, GUIDANCE_MODES, LAM_SCHEDULES
 from verl.utils.config_checks import check_choice, check_range, fail
 
+TEACHER_SCORING = ("overlap", "prefill")
+"""How the guidance scores the draft's tokens at λ = 0 (`VLLMRollout.generate_sequences`)."""
+
 
 @dataclass
 class OffPolicyGuidanceConfig:
@@ -49,12 +52,15 @@ class OffPolicyGuidanceConfig:
     """Mix mode: responses per prompt generated entirely by the guidance."""
     behavior: str = "exact"
     """Behavior log-prob rule: exact mixture log q_λ, or provenance (BEHAVIORS)."""
+    teacher_scoring: str = "prefill"
+    """Speculative mode at λ = 0 (the guidance only scores): overlap (rounds, scoring beside drafting) or prefill (whole responses, then one guidance prefill each)."""
 
     def validate(self, prefix: str, rollout_n: int) -> None:
         """Fail fast on bad values; `rollout_n` bounds `mix_num_samples`."""
         check_choice(f"{prefix}.mode", self.mode, GUIDANCE_MODES.names())
         check_choice(f"{prefix}.behavior", self.behavior, BEHAVIORS.names())
         check_choice(f"{prefix}.lam_schedule", self.lam_schedule, LAM_SCHEDULES.names())
+        check_choice(f"{prefix}.teacher_scoring", self.teacher_scoring, TEACHER_SCORING)
         check_range(f"{prefix}.lam", self.lam, 0.0, 1.0)
         check_range(f"{prefix}.lam_end", self.lam_end, 0.0, 1.0)
         check_range(

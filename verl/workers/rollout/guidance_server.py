@@ -32,7 +32,7 @@ class GuidanceProcess:
     """Parent side: starts the child, sends requests, returns answers (raising the child's errors).
 
     `submit(op, *args)` sends without waiting; `result()` waits for the oldest answer; `call`
-    does both. Ops: "capacity", "score", "close", "generate" (see `_Server`).
+    does both. Ops: "capacity", "score", "close", "generate", "threads" (see `_Server`).
     """
 
     def __init__(self, llm_kwargs: dict, env: dict[str, str] | None = None) -> None:
@@ -133,6 +133,14 @@ class _Server:
 
     def info(self) -> dict:
         return {"vocab_size": self.llm.llm_engine.model_config.get_vocab_size()}
+
+    def threads(self, count: int) -> int:
+        """CPU: compute with `count` threads from now on (torch._C's setter: vLLM replaces
+        torch.set_num_threads by a no-op); returns the count in effect."""
+        import torch
+
+        torch._C.set_num_threads(count)
+        return torch.get_num_threads()
 
     def capacity(self, max_tokens_per_session: int) -> int:
         return self.sessions.capacity(max_tokens_per_session)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -181,16 +182,19 @@ class VLLMRollout:
         self._counters.computed += computed
         tables = ListedRows(ids, values)
         self._counters.tail_mass.append(tables.tail_mass())
-        following = ListedRows(next_ids, next_values)
+        return self._processed(tables), self._processed(ListedRows(next_ids, next_values))
+
+    def _processed(self, rows: ListedRows) -> ListedRows:
+        """The guidance's raw rows processed with its sampling settings."""
         processing = self._guidance_processing()
         if (
             processing["temperature"] == 1.0
             and processing["top_k"] in (-1, 0, None)
             and processing["top_p"] >= 1.0
         ):
-            return tables, following  # raw = processed: exact for every listed token
+            return rows  # raw = processed: exact for every listed token
         # exact when K covers the vocabulary or the cut; else approximate (README_guidance.md)
-        return tables.processed(**processing), following.processed(**processing)
+        return rows.processed(**processing)
 
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -225,6 +229,8 @@ class VLLMRollout:
                 guidance.lam, guidance.lam_end, guidance.lam_schedule)  # fmt: skip
             if guidance.mode == "mix":
                 seqs, stats = self._mix(repeated, n, rng), None
+            elif lam == 0.0 and guidance.teacher_scoring == "prefill":  # the guidance only scores
+                seqs, stats = self._teacher_only_prefill(repeated, rng), None
             else:
                 seqs, stats = self._speculative(
                     repeated, lam, rng, torch.Generator().manual_seed(seed)
@@ -283,6 +289,59 @@ class VLLMRollout:
             self.engines.guidance.call("close")
         except RuntimeError:
             pass
+
+    def _teacher_only_prefill(
+        self, prompts: list[list[int]], rng: np.random.Generator
+    ) -> list[GuidedSequence]:
+        """λ = 0 by prefill: the draft samples whole responses, then the guidance scores each in
+        one prefill; on CPU each engine has every core while it works (the other idles)."""
+        with self._cores_to("draft"):
+            seqs = self._draft_only(prompts, rng.integers(0, 2**31, len(prompts)))
+        with self._cores_to("guidance"):
+            self._teacher_prefill(prompts, seqs)
+        return seqs
+
+    @contextmanager
+    def _cores_to(self, engine: str):
+        """CPU only: every core to `engine` ("draft" or "guidance") while the other idles, then
+        the usual split back (`split_cpu_threads`)."""
+        if torch.cuda.is_available():
+            yield
+            return
+        cores = len(os.sched_getaffinity(0))
+        if engine == "draft":
+            torch._C.set_num_threads(cores)
+        else:
+            self.engines.guidance.call("threads", cores)
+        try:
+            yield
+        finally:
+            share = int(split_cpu_threads()["OMP_NUM_THREADS"])
+            if engine == "guidance":
+                self.engines.guidance.call("threads", share)
+
+    def _teacher_prefill(self, prompts: list[list[int]], seqs: list[GuidedSequence]) -> None:
+        """Score whole sampled sequences on the guidance engine, one prefill each (in waves its
+        KV cache holds), and set their `guidance_log_probs` to its processed log q of every
+        response token (column 0 of a prompt log-prob row is the scored token itself)."""
+        longest = max(len(p) + len(s.tokens) for p, s in zip(prompts, seqs, strict=True)) + 1
+        wave = self.engines.guidance.call("capacity", longest)
+        for start in range(0, len(seqs), wave):
+            self._call += 1
+            part = range(start, min(start + wave, len(seqs)))
+            chunks = [(f"t{self._call}-{i}", prompts[i] + seqs[i].tokens, 1, None) for i in part]
+            rows = [(len(prompts[i]) - 1, len(seqs[i].tokens)) for i in part]
+            (ids, values), _, computed = self.engines.guidance.call(
+                "score", chunks, rows, self.num_logprobs
+            )
+            self.engines.guidance.call("close")
+            self._counters.computed += computed
+            tables = ListedRows(ids, values)
+            self._counters.tail_mass.append(tables.tail_mass())
+            q = self._processed(tables).log_probs[:, 0].astype(np.float64)
+            ends = np.cumsum([count for _, count in rows])
+            for i, values_i in zip(part, np.split(q, ends[:-1]), strict=True):
+                seqs[i].guidance_log_probs = values_i.tolist()
 
     def _draft_only(self, prompts: list[list[int]], seeds) -> list[GuidedSequence]:
         """Whole responses from the draft engine, one seed per prompt."""

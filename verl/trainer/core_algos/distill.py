@@ -1,0 +1,139 @@
+"""On-policy distillation from the guidance: a per-token reverse KL toward the teacher q.
+
+The guided rollout already scores every draft token with the guidance, so `guidance_log_probs`
+holds log q(x_t) of the sampled tokens with no extra teacher pass. Per token the reverse KL
+KL(π ‖ q) is estimated with a registered KL estimator k_t = k(log π(x_t), log q(x_t)) (k1:
+log π - log q; k3: q/π - 1 - log(q/π); both unbiased for x ~ π; the other KL_ESTIMATORS names
+are accepted too, biased). Under guided sampling (λ > 0)
+the tokens come from μ = q_λ, so every term carries the importance weight w = π_old/μ the
+trainer already builds: E_μ[w·k] = E_π[k] = KL(π ‖ q).
+
+Two ways to train on it (DISTILL_MODES):
+- reward: A_t += -β·k_t(π_old, q), after the outcome advantage's normalisation (Thinking Machines'
+  on-policy distillation, prime-rl's teacher reward); the policy loss applies w.
+- loss: β·agg(w·k_t(π_θ, q)) joins the actor loss, with the gradient of the expectation, pathwise
+  plus score function: w·(∇k_t + k_t·∇log π_θ). The pathwise part alone is not the reverse-KL
+  gradient (k1's is zero in expectation, k3's is the forward KL's).
+
+Tokens whose teacher log-prob is missing (`guidance_missing_mask`) are left out and counted. A
+teacher probability that the sampling settings make exactly 0 (log q = the floor) is kept, with
+|log π - log q| clamped to LOG_RATIO_CLAMP: the teacher's strongest "never".
+Notation: π_θ current, π_old proximal, μ behavior, q the guidance (teacher). Shapes (B, T).
+Papers: https://thinkingmachines.ai/blog/on-policy-distillation (on-policy distillation),
+https://arxiv.org/abs/2306.13649 (GKD), http://joschu.net/blog/kl-approx.html (estimators).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR
+from verl.trainer.core_algos.kl import KL_ESTIMATORS
+from verl.trainer.core_algos.offpolicy import LOG_RATIO_CLAMP
+from verl.trainer.core_algos.policy_loss import agg_loss
+from verl.utils import metric_names as M
+from verl.utils.registry import Registry
+from verl.utils.torch_functional import masked_mean
+
+DISTILL_MODES: Registry[Callable] = Registry("distillation mode")
+
+
+def distill_token_kl(
+    log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, estimator: str = "k1"
+) -> torch.Tensor:
+    """k_t = KL_ESTIMATORS[estimator](log π(x_t), log q(x_t)), |log π - log q| <= 20. (B, T).
+
+    Ref: http://joschu.net/blog/kl-approx.html.
+    """
+    log_q = log_probs + (teacher_log_probs - log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return KL_ESTIMATORS.get(estimator)(log_probs, log_q)
+
+
+def scored_mask(
+    response_mask: torch.Tensor, missing_mask: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """(B, T) 0/1 of `dtype`: valid tokens whose teacher log-prob was reported."""
+    keep = response_mask.bool()
+    if missing_mask is not None:
+        keep = keep & ~missing_mask.bool()
+    return keep.to(dtype)
+
+
+@DISTILL_MODES.register("reward")
+def distill_advantages(
+    advantages: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    teacher_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    missing_mask: torch.Tensor | None,
+    coef: float,
+    estimator: str = "k1",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_t = A_outcome,t + β·(-k_t(π_old, q)) on scored tokens (k1: β·(log q - log π_old)). (B, T).
+
+    Returns (advantages, the added term). `A_outcome` is the estimator's output, already
+    normalised; with `adv_estimator: none` it is 0 (pure distillation, no verifier).
+    Paper: https://thinkingmachines.ai/blog/on-policy-distillation (per-token reverse-KL reward).
+    """
+    with torch.no_grad():
+        keep = scored_mask(response_mask, missing_mask, advantages.dtype)
+        term = -coef * distill_token_kl(old_log_probs, teacher_log_probs, estimator) * keep
+    return advantages + term, term
+
+
+@DISTILL_MODES.register("loss")
+def distill_loss(
+    log_probs: torch.Tensor,
+    teacher_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    missing_mask: torch.Tensor | None = None,
+    importance_weights: torch.Tensor | None = None,
+    estimator: str = "k1",
+    loss_agg_mode: str = "token-mean",
+    **agg,
+) -> torch.Tensor:
+    """L = agg(w_t·k_t(π_θ, q)) over scored tokens, gradient w_t·(∇k_t + k_t·∇log π_θ(x_t)).
+
+    Its gradient is that of E_π[k] = KL(π_θ ‖ q) (pathwise plus score function), q constant.
+    Missing tokens add nothing; the normaliser is the response mask's, as for every loss term.
+    Returns the unscaled term (the caller multiplies by β). Shapes (B, T) -> scalar.
+    Paper: https://arxiv.org/abs/2306.13649 (GKD: on-policy reverse-KL distillation).
+    """
+    k = distill_token_kl(log_probs, teacher_log_probs, estimator)
+    score = log_probs - log_probs.detach()  # value 0, gradient ∇log π_θ
+    loss_mat = k + k.detach() * score
+    if importance_weights is not None:
+        loss_mat = loss_mat * importance_weights.detach()
+    keep = scored_mask(response_mask, missing_mask, loss_mat.dtype)
+    return agg_loss(loss_mat * keep, response_mask, loss_agg_mode, **agg)
+
+
+def compute_distill_metrics(
+    old_log_probs: torch.Tensor,
+    teacher_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    missing_mask: torch.Tensor | None,
+    importance_weights: torch.Tensor | None,
+    estimator: str = "k1",
+    advantage_term: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """distill/*: reverse_kl = mean of w·k_t(π_old, q) over scored tokens (the per-token
+    estimate of KL(π_old ‖ q)); teacher_log_prob = mean log q over scored tokens with q > 0;
+    missing_frac = unscored / valid tokens; advantage_abs = mean |β·k_t| (reward mode). (B, T).
+    Paper: https://thinkingmachines.ai/blog/on-policy-distillation (reverse KL per token)."""
+    keep = scored_mask(response_mask, missing_mask, old_log_probs.dtype)
+    k = distill_token_kl(old_log_probs, teacher_log_probs, estimator)
+    if importance_weights is not None:
+        k = k * importance_weights
+    positive = keep * (teacher_log_probs > LOG_PROB_FLOOR).to(keep.dtype)
+    valid = response_mask.to(keep.dtype)
+    metrics = {
+        M.DISTILL_REVERSE_KL: masked_mean(k, keep).item(),
+        M.DISTILL_TEACHER_LOG_PROB: masked_mean(teacher_log_probs, positive).item(),
+        M.DISTILL_MISSING_FRAC: 1.0 - keep.sum().item() / max(valid.sum().item(), 1.0),
+    }
+    if advantage_term is not None:
+        metrics[M.DISTILL_ADVANTAGE_ABS] = masked_mean(advantage_term.abs(), valid).item()
+    return metrics
