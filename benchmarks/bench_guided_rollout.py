@@ -9,10 +9,16 @@ Guided, the guidance engine runs in its own process and this process keeps the d
 share of the cores (`split_cpu_threads`: 1 of 2 here); draft-only is timed with torch's default
 threads, as it runs in a process of its own. Both are timed in turns, medians of --repeats.
 
+With --teacher on it also times the teacher-only rollout of on-policy distillation (λ = 0: the
+guidance only scores the draft's tokens) both ways: `overlap` (speculative rounds, the scoring
+beside the drafting) and `prefill` (draft-only generation, then one guidance prefill of every
+whole sequence, what other distillation recipes do), same prompts and lengths.
+
 Usage:
     python benchmarks/bench_guided_rollout.py
     python benchmarks/bench_guided_rollout.py --prompts 32 --response 32 --repeats 2
     python benchmarks/bench_guided_rollout.py --k 4 --bonus on,off   # with and without bonus tokens
+    python benchmarks/bench_guided_rollout.py --k 4 --teacher on     # + teacher-only, both ways
 """
 
 from __future__ import annotations
@@ -57,15 +63,19 @@ def rollout(
     return VLLMRollout(draft, cfg, tok.eos_token_id, tok.pad_token_id)
 
 
-def prompts(tok, count: int, length: int) -> DataProto:
+def prompts(tok, count: int, length: int, lam: float = 0.5) -> DataProto:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(4, len(tok), (count, length), generator=gen)
     return DataProto.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                               meta_info={"ignore_eos": True, "lam": 0.5})  # fmt: skip
+                               meta_info={"ignore_eos": True, "lam": lam})  # fmt: skip
 
 
 def timed(
-    engine: VLLMRollout, batch: DataProto, groups: int = 1, bonus: bool = True
+    engine: VLLMRollout,
+    batch: DataProto,
+    groups: int = 1,
+    bonus: bool = True,
+    scoring: str = "overlap",
 ) -> tuple[float, DataProto]:
     if engine.engines.guidance is None:  # the threads each setting has in a process of its own
         torch._C.set_num_threads(DEFAULT_THREADS)
@@ -73,6 +83,7 @@ def timed(
         split_cpu_threads()
         engine.config.offpolicy_guidance.pipeline_groups = groups
         engine.config.offpolicy_guidance.bonus_token = bonus
+        engine.config.offpolicy_guidance.teacher_scoring = scoring
     start = time.perf_counter()
     out = engine.generate_sequences(batch)
     return time.perf_counter() - start, out
@@ -93,6 +104,11 @@ def main() -> None:
                         help="offpolicy_guidance.pipeline_groups values, comma-separated")  # fmt: skip
     parser.add_argument(
         "--bonus", default="on", help="offpolicy_guidance.bonus_token: on, off or on,off"
+    )
+    parser.add_argument(
+        "--teacher",
+        default="off",
+        help="on: also time the teacher-only rollout (λ = 0), overlap and prefill",
     )
     parser.add_argument(
         "--eager",
@@ -135,27 +151,39 @@ def measure(args: argparse.Namespace, root: str) -> None:
     )
     tok = AutoTokenizer.from_pretrained(draft)
     batch = prompts(tok, args.prompts, args.prompt_len)
+    teacher_batch = prompts(tok, args.prompts, args.prompt_len, lam=0.0)
     ks, groups = [int(k) for k in args.k.split(",")], [int(g) for g in args.groups.split(",")]
     bonus = [b == "on" for b in args.bonus.split(",")]
-    runs, baselines = {}, {}  # name -> (engine, groups, bonus); guided name -> its draft-only
+    runs, baselines = (
+        {},
+        {},
+    )  # name -> (engine, groups, bonus, scoring); guided name -> its draft-only
     for eager in args.eager.split(","):
         tag = EAGER_TAGS[eager]
         base = "draft-only" + ("" if eager == "guidance" else tag)  # the same draft engine
         if base not in runs:
-            runs[base] = (rollout(draft, None, args, 1, tok, eager), 1, False)
+            runs[base] = (rollout(draft, None, args, 1, tok, eager), 1, False, "")
         for k in ks:  # one engine pair per k; groups and bonus are read at every call
             engine = rollout(draft, guide, args, k, tok, eager)
             for g, b in ((g, b) for g in groups for b in bonus):
                 name = f"guided k={k} g={g}" + ("" if b else " no-bonus") + tag
-                runs[name], baselines[name] = (engine, g, b), base
+                runs[name], baselines[name] = (engine, g, b, ""), base
+            if args.teacher == "on":  # λ = 0: the guidance only scores, both ways
+                for scoring in ("overlap", "prefill"):
+                    name = f"teacher {scoring} k={k}" + tag
+                    runs[name], baselines[name] = (engine, groups[0], bonus[0], scoring), base
     times: dict[str, list[float]] = {name: [] for name in runs}
     meta = {}
+
+    def call(engine, g, b, scoring):
+        return timed(engine, teacher_batch if scoring else batch, g, b, scoring or "overlap")
+
     for _ in range(2):  # warm-up: torch.compile'd helpers specialise on the first shapes they see
-        for engine, g, b in runs.values():
-            timed(engine, batch, g, b)
+        for setting in runs.values():
+            call(*setting)
     for _ in range(args.repeats):
-        for name, (engine, g, b) in runs.items():
-            seconds, out = timed(engine, batch, g, b)
+        for name, setting in runs.items():
+            seconds, out = call(*setting)
             times[name].append(seconds)
             meta[name] = out.meta_info
             assert int(out.batch["response_mask"].sum()) == args.prompts * args.response
@@ -179,12 +207,19 @@ def measure(args: argparse.Namespace, root: str) -> None:
         # the fastest repeat of each: the least disturbed by the machine's other load
         best = min(times[name]) / min(times[base])
         ci_low, ci_high, share = bootstrap_ratio(times[name], times[base])
+        per_emitted = meta[name]["guidance_tokens_computed"] / meta[name]["emitted_tokens"]
         print(
             f"{name}: wall time {ratio:.2f}x {base} (goal <= 2.0; 95 % bootstrap interval "
             f"{ci_low:.2f}-{ci_high:.2f}, <= 2.0 in {share:.0%} of resamples; per-repeat ratios: "
             f"median {mid:.2f}, quartiles {low:.2f}-{high:.2f}; fastest repeats {best:.2f}x); "
-            f"{meta[name]['guidance_tokens_per_emitted']:.2f} guidance tokens computed per emitted token (goal <= 2)"
+            f"{per_emitted:.2f} guidance tokens computed per emitted token (goal <= 2)"
         )
+    for name in [n for n in times if n.startswith("teacher overlap")]:
+        other = name.replace("overlap", "prefill")
+        ratio = statistics.median(times[name]) / statistics.median(times[other])
+        ci_low, ci_high, share = bootstrap_ratio(times[name], times[other], goal=1.0)
+        print(f"{name} / {other}: wall time {ratio:.2f}x (95 % bootstrap interval {ci_low:.2f}-{ci_high:.2f}; "
+              f"overlap faster in {share:.0%} of resamples)")  # fmt: skip
 
 
 if __name__ == "__main__":
