@@ -57,11 +57,18 @@ def build_char_tokenizer():
     tokenizer from the saved files (transformers' AutoTokenizer, vLLM) tokenizes identically.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE(vocab=char_vocab(), merges=[], unk_token=None))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()
+    return _as_transformers(core)
+
+
+def _as_transformers(core):
+    """A `tokenizers` core as a transformers tokenizer with the project's special tokens (eos =
+    <|im_end|>, pad = <|pad|>, no bos) and chat template."""
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token=PAD, eos_token=IM_END, bos_token=None,
         additional_special_tokens=[EOS, IM_START], clean_up_tokenization_spaces=False,
@@ -82,7 +89,6 @@ def build_bpe_tokenizer(vocab_size: int = 100, corpus: list[str] | None = None):
     `vocab_size` tokens in all, special tokens and eos/pad as in `build_char_tokenizer`. Its
     alphabet is the corpus's characters (no unknown token: other text does not encode)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE(unk_token=None))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -90,12 +96,7 @@ def build_bpe_tokenizer(vocab_size: int = 100, corpus: list[str] | None = None):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   show_progress=False)  # fmt: skip
     core.train_from_iterator(corpus or arithmetic_corpus(), trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token=PAD, eos_token=IM_END, bos_token=None,
-        additional_special_tokens=[EOS, IM_START], clean_up_tokenization_spaces=False,
-    )  # fmt: skip
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return _as_transformers(core)
 
 
 @dataclass
