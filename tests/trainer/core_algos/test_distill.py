@@ -87,6 +87,16 @@ def test_loss_mode_hand_value_and_gradient(estimator, value, grad):
     torch.testing.assert_close(log_probs.grad, _t([[grad / 2, 0.0]]), rtol=0, atol=1e-12)
 
 
+def test_a_teacher_zero_is_a_constant_of_the_policy():
+    """q = 0 (the floor): log q is clamped to log π - 20 with π detached, so k1 = 20 and the
+    loss-mode gradient is pathwise 1 plus score 20 = 21 (not 20: q must not move with π_θ)."""
+    log_probs = _t([[math.log(0.5)]]).requires_grad_(True)
+    loss = distill_loss(log_probs, _t([[LOG_PROB_FLOOR]]), _t([[1.0]]), None, None, "k1")
+    assert loss.item() == pytest.approx(20.0, abs=1e-12)
+    loss.backward()
+    assert log_probs.grad.item() == pytest.approx(21.0, abs=1e-12)
+
+
 def test_loss_mode_follows_the_aggregation_mode():
     log_probs = _t([[math.log(0.5), math.log(0.5)], [math.log(0.5), 0.0]])
     teacher = _t([[math.log(0.25), math.log(0.25)], [math.log(0.125), 0.0]])

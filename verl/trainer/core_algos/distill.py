@@ -45,9 +45,11 @@ def distill_token_kl(
 ) -> torch.Tensor:
     """k_t = KL_ESTIMATORS[estimator](log π(x_t), log q(x_t)), |log π - log q| <= 20. (B, T).
 
+    log q is clamped to within 20 of a detached log π, so it stays a constant of π_θ.
     Ref: http://joschu.net/blog/kl-approx.html.
     """
-    log_q = log_probs + (teacher_log_probs - log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    anchor = log_probs.detach()
+    log_q = teacher_log_probs.clamp(min=anchor - LOG_RATIO_CLAMP, max=anchor + LOG_RATIO_CLAMP)
     return KL_ESTIMATORS.get(estimator)(log_probs, log_q)
 
 
