@@ -117,6 +117,17 @@ def test_distill_keys_reach_the_actor_only_in_loss_mode(mode, actor_coef):
                           "algorithm.distill.coef=0.3", f"algorithm.distill.mode={mode}", "algorithm.distill.estimator=k3"])  # fmt: skip
     assert config.worker.actor.distill_coef == actor_coef
     assert config.worker.actor.distill_estimator == "k3"
+    assert not config.worker.actor.distill_topk_forward
+    assert not config.worker.rollout.offpolicy_guidance.keep_topk
+
+
+def test_topk_forward_reaches_actor_and_rollout():
+    config = load_config([f"{GUIDANCE}.enable=true", f"{GUIDANCE}.model_path=/m", f"{GUIDANCE}.lam=0", "algorithm.distill.coef=1",
+                          "algorithm.distill.mode=loss", "algorithm.distill.topk_forward=true"])  # fmt: skip
+    assert (
+        config.worker.actor.distill_topk_forward
+        and config.worker.rollout.offpolicy_guidance.keep_topk
+    )
 
 
 def test_explicit_save_checkpoint_path_is_kept():
@@ -436,6 +447,33 @@ ERROR_CASES = [
         "no_outcome_advantage_without_distill",
         ["algorithm.adv_estimator=none"],
         ["algorithm.adv_estimator='none'", "algorithm.distill.coef > 0"],
+    ),
+    (
+        "topk_forward_in_reward_mode_under_guided_sampling",
+        [
+            f"{GUIDANCE}.enable=true",
+            f"{GUIDANCE}.model_path=/m",
+            "algorithm.distill.coef=0.1",
+            "algorithm.distill.topk_forward=true",
+        ],
+        [
+            "algorithm.distill.topk_forward=True",
+            "algorithm.distill.mode=loss",
+            "lam=0 at every step",
+        ],
+    ),
+    (
+        "topk_forward_with_overlapped_scoring",
+        [
+            f"{GUIDANCE}.enable=true",
+            f"{GUIDANCE}.model_path=/m",
+            f"{GUIDANCE}.lam=0",
+            "algorithm.distill.coef=0.1",
+            "algorithm.distill.mode=loss",
+            "algorithm.distill.topk_forward=true",
+            f"{GUIDANCE}.teacher_scoring=overlap",
+        ],
+        ["algorithm.distill.topk_forward=True", "teacher_scoring=prefill"],
     ),
     (
         "distill_coef_negative",

@@ -139,6 +139,10 @@ GUIDED_KEYS = ["guidance/offpolicy_token_ratio", "guidance/is_weight_mean", "gui
          [*GUIDED_KEYS, *DISTILL_KEYS[:3], "actor/distill_loss"]),
         ("distill_pure", {"algorithm": {"adv_estimator": "none", "distill": {"coef": 1.0}},
                           "worker": {"rollout": {"offpolicy_guidance": {"lam": 0.0}}}}, DISTILL_KEYS),
+        ("distill_topk_forward", {"algorithm": {"adv_estimator": "none",
+                                                "distill": {"coef": 1.0, "mode": "loss", "topk_forward": True}},
+                                  "worker": {"rollout": {"offpolicy_guidance": {"lam": 0.0}}}},
+         [*DISTILL_KEYS[:3], "actor/distill_loss"]),
     ],
 )  # fmt: skip
 def test_two_step_run_trains_and_logs_finite_metrics(

@@ -74,6 +74,8 @@ class DistillConfig:
     """reward: A_t += -β·k_t after the outcome normalisation; loss: β·k_t joins the actor loss (DISTILL_MODES)."""
     estimator: str = "k1"
     """Sampled-token reverse-KL estimator (KL_ESTIMATORS): k1 or k3 (unbiased); reward mode wants k1."""
+    topk_forward: bool = False
+    """Loss mode: the forward KL over the guidance's top-K at each position instead (teacher-only rollouts, λ = 0)."""
 
     def validate(self, prefix: str) -> None:
         """Fail fast on bad values."""
@@ -234,6 +236,8 @@ class PPOConfig:
         actor.importance_detach, actor.opsm_delta = algo.importance_detach, algo.opsm_delta
         actor.distill_coef = algo.distill.coef if algo.distill.mode == "loss" else 0.0
         actor.distill_estimator = algo.distill.estimator
+        actor.distill_topk_forward = algo.distill.topk_forward and algo.distill.coef > 0
+        guidance.keep_topk = actor.distill_topk_forward
         if self.worker.reward.reward_function is None:
             embedded = self.data.train_files.startswith("embedded://arithmetic")
             self.worker.reward.reward_function = "arithmetic" if embedded else "math"
@@ -271,6 +275,18 @@ class PPOConfig:
             fail("algorithm.distill.coef", coef,
                  "distillation reads the guidance's log-probs: set worker.rollout.offpolicy_guidance.enable=true "
                  "(with offpolicy_guidance.lam=0 the guidance only scores)")  # fmt: skip
+        distill, guidance = self.algorithm.distill, self.worker.rollout.offpolicy_guidance
+        if distill.topk_forward:
+            always_zero = guidance.lam == 0 and (
+                guidance.lam_schedule == "constant" or guidance.lam_end == 0
+            )
+            needs = [(distill.mode == "loss", "algorithm.distill.mode=loss"),
+                     (always_zero, "worker.rollout.offpolicy_guidance.lam=0 at every step"),
+                     (guidance.teacher_scoring == "prefill", "worker.rollout.offpolicy_guidance.teacher_scoring=prefill")]  # fmt: skip
+            missing = [what for ok, what in needs if not ok]
+            if missing:
+                fail("algorithm.distill.topk_forward", True,
+                     f"reads the top-K rows of the teacher-only rollout's prefill; needs {', '.join(missing)}")  # fmt: skip
         if ADV_ESTIMATORS.canonical(self.algorithm.adv_estimator) == "none" and coef == 0:
             fail("algorithm.adv_estimator", "none",
                  "gives every token advantage 0: set algorithm.distill.coef > 0 (pure distillation)")  # fmt: skip

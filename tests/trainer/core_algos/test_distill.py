@@ -14,6 +14,7 @@ from verl.trainer.core_algos.distill import (
     distill_advantages,
     distill_loss,
     distill_token_kl,
+    distill_topk_forward_loss,
 )
 from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR
 from verl.trainer.core_algos.policy_loss import compute_policy_loss_ppo
@@ -95,6 +96,24 @@ def test_a_teacher_zero_is_a_constant_of_the_policy():
     assert loss.item() == pytest.approx(20.0, abs=1e-12)
     loss.backward()
     assert log_probs.grad.item() == pytest.approx(21.0, abs=1e-12)
+
+
+def test_topk_forward_hand_value_and_gradient():
+    """Teacher top-3 q = [0.5, 0.25, unlisted (floor)] -> q̃ = [2/3, 1/3, 0] over the listed;
+    π_θ at the same ids [0.4, 0.2, 0.1]: KL = 2/3·log((2/3)/0.4) + 1/3·log((1/3)/0.2)
+    = (2/3 + 1/3)·log(5/3) = log(5/3); gradient wrt log π_θ = -q̃. A second, padded position
+    adds nothing; token-mean over 1 valid token."""
+    log_pi = _t([[[0.4, 0.2, 0.1], [0.3, 0.3, 0.3]]]).log().requires_grad_(True)
+    teacher = _t([[[0.5, 0.25, 0.0], [0.5, 0.5, 0.0]]]).log().clamp(min=LOG_PROB_FLOOR)
+    loss = distill_topk_forward_loss(log_pi, teacher, _t([[1, 0]]))
+    assert loss.item() == pytest.approx(math.log(5 / 3), abs=1e-12)
+    loss.backward()
+    torch.testing.assert_close(
+        log_pi.grad, _t([[[-2 / 3, -1 / 3, 0.0], [0.0, 0.0, 0.0]]]), rtol=0, atol=1e-12
+    )
+    # a missing position is left out (the normaliser keeps it): 0
+    missing = torch.tensor([[True, False]])
+    assert distill_topk_forward_loss(log_pi.detach(), teacher, _t([[1, 0]]), missing).item() == 0.0
 
 
 def test_loss_mode_follows_the_aggregation_mode():

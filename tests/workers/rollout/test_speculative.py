@@ -208,6 +208,18 @@ def test_listed_rows_top_p_cuts_on_true_probabilities_at_temperature_1():
     assert rows.processed(top_p=0.85).lists_support().tolist() == [False]
 
 
+def test_listed_rows_topk_reads_a_repeat_at_its_value():
+    # row 0 lists token 3 first (0.2) and again in its top-3; topk gives the top-3 columns with
+    # token 3 at 0.2 even after processing set its repeat to -inf
+    # (processing renormalises row 0 over its listed mass 0.8: [.5, .2, .1] / .8)
+    rows = _rows([[3, 1, 3, 0], [2, 5, 1, 4]], [[0.2, 0.5, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]])
+    for listed, mass in ((rows, 1.0), (rows.processed(temperature=1.0), 0.8)):
+        ids, values = listed.topk()
+        assert ids.tolist() == [[1, 3, 0], [5, 1, 4]]
+        expected = [[0.5 / mass, 0.2 / mass, 0.1 / mass], [0.3, 0.2, 0.1]]
+        np.testing.assert_allclose(np.exp(values), expected, rtol=1e-12)
+
+
 def test_listed_rows_take_and_lookup_one_hand_values():
     rows = _rows([[3, 1, 3, 0], [2, 2, 5, 1]], [[0.2, 0.5, 0.2, 0.1], [0.4, 0.4, 0.3, 0.2]])
     # token 3 in row 0 and token 2 in row 1 repeat their column 0: the repeats read -inf

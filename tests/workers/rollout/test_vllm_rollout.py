@@ -466,12 +466,12 @@ def test_teacher_only_rollout_scores_every_draft_token(guided, models, scoring):
 
     rollout, tok = guided
     g = rollout.config.offpolicy_guidance
-    g.teacher_scoring = scoring
+    g.teacher_scoring, g.keep_topk = scoring, scoring == "prefill"  # the prefill keeps the rows
     try:
         with processing(rollout, top_k=20):
             out = rollout.generate_sequences(prompt_batch(tok, ["12+7=", "3+45="], n=8, lam=0.0))
     finally:
-        g.teacher_scoring = RolloutConfig().offpolicy_guidance.teacher_scoring
+        g.teacher_scoring, g.keep_topk = RolloutConfig().offpolicy_guidance.teacher_scoring, False
     b = out.batch
     assert not b["offpolicy_mask"].any() and not b["guidance_missing_mask"].any()
     torch.testing.assert_close(b["behavior_log_probs"], b["rollout_log_probs"], rtol=0, atol=1e-6)
@@ -489,6 +489,11 @@ def test_teacher_only_rollout_scores_every_draft_token(guided, models, scoring):
         )
         torch.testing.assert_close(b["rollout_log_probs"][i, :n].double(), floor_log(p.gather(-1, toks).squeeze(-1)), rtol=0, atol=1e-3)  # fmt: skip
         zeros += int((q_x == 0).sum())
+        if scoring == "prefill":  # the kept top-K rows: log q of the listed ids, at every position
+            ids_k = b["guidance_topk_ids"][i, :n]
+            torch.testing.assert_close(b["guidance_topk_log_probs"][i, :n].double(), floor_log(q.gather(-1, ids_k)), rtol=0, atol=1e-3)  # fmt: skip
+            assert (q.gather(-1, ids_k) > 0).sum(-1).eq(20).all()  # the top-20 are all listed
     assert zeros > 0 and out.meta_info["guidance_tokens_computed"] > 0
+    assert ("guidance_topk_ids" in b.keys()) == (scoring == "prefill")
     cores = len(os.sched_getaffinity(0))  # the prefill path lends every core and gives them back
     assert torch.get_num_threads() == max(1, cores - max(1, cores // 2))

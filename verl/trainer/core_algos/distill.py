@@ -13,7 +13,9 @@ Two ways to train on it (DISTILL_MODES):
   on-policy distillation, prime-rl's teacher reward); the policy loss applies w.
 - loss: β·agg(w·k_t(π_θ, q)) joins the actor loss, with the gradient of the expectation, pathwise
   plus score function: w·(∇k_t + k_t·∇log π_θ). The pathwise part alone is not the reverse-KL
-  gradient (k1's is zero in expectation, k3's is the forward KL's).
+  gradient (k1's is zero in expectation, k3's is the forward KL's). With `topk_forward` the loss
+  term is instead the forward KL over the guidance's top-K at each position
+  (`distill_topk_forward_loss`), from the rows the teacher-only rollout keeps.
 
 Tokens whose teacher log-prob is missing (`guidance_missing_mask`) are left out and counted. A
 teacher probability that the sampling settings make exactly 0 (log q = the floor) is kept, with
@@ -110,6 +112,32 @@ def distill_loss(
         loss_mat = loss_mat * importance_weights.detach()
     keep = scored_mask(response_mask, missing_mask, loss_mat.dtype)
     return agg_loss(loss_mat * keep, response_mask, loss_agg_mode, **agg)
+
+
+def distill_topk_forward_loss(
+    log_probs_topk: torch.Tensor,
+    teacher_topk_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    missing_mask: torch.Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
+    **agg,
+) -> torch.Tensor:
+    """L = agg(Σ_k q̃_k·(log q̃_k - log π_θ(k))): the forward KL over the guidance's top-K at
+    each position, q̃ = q renormalised over its K listed tokens, π_θ at the same ids.
+
+    Inputs (B, T, K): log π_θ and log q of the listed tokens (the floor marks an unlisted slot
+    or q = 0); response_mask (B, T). Its gradient is the soft-label cross-entropy's,
+    -Σ_k q̃_k·∇log π_θ(k). Not importance-weighted: its prefix's weight is a product over the
+    earlier tokens, so it is exact for the teacher-only rollout (λ = 0), where μ = π. Returns
+    the unscaled term. Paper: https://arxiv.org/abs/2306.13649 (GKD: forward KL on the student's
+    own sequences).
+    """
+    teacher = torch.log_softmax(teacher_topk_log_probs.double(), dim=-1).to(log_probs_topk.dtype)
+    listed = teacher_topk_log_probs > LOG_PROB_FLOOR
+    q = teacher.exp() * listed
+    per_slot = torch.where(listed, q * (teacher - log_probs_topk), torch.zeros_like(q))
+    keep = scored_mask(response_mask, missing_mask, log_probs_topk.dtype)
+    return agg_loss(per_slot.sum(-1) * keep, response_mask, loss_agg_mode, **agg)
 
 
 def compute_distill_metrics(

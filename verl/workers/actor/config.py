@@ -176,6 +176,8 @@ class ActorConfig:
     """auto: algorithm.distill.coef in loss mode (0 otherwise): β of the distillation loss term."""
     distill_estimator: str = "k1"
     """auto: algorithm.distill.estimator."""
+    distill_topk_forward: bool = False
+    """auto: algorithm.distill.topk_forward (with coef > 0): the loss term is the top-K forward KL."""
 
     def policy_loss_config(self) -> PolicyLossConfig:
         """The loss hyper-parameters, as the algorithm core wants them (same field names)."""

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from verl.protocol import DataProto
-from verl.trainer.core_algos.distill import distill_loss
+from verl.trainer.core_algos.distill import distill_loss, distill_topk_forward_loss
 from verl.trainer.core_algos.kl import kl_penalty
 from verl.trainer.core_algos.policy_loss import agg_loss, get_policy_loss_fn
 from verl.trainer.core_algos.sum_pi_squared import softmax_statistics
@@ -38,6 +38,7 @@ OPTIONAL_UPDATE_KEYS = (
     "ref_log_probs",
 )
 DISTILL_KEYS = ("guidance_log_probs", "guidance_missing_mask")  # read when distill_coef > 0
+TOPK_KEYS = ("guidance_topk_ids", "guidance_topk_log_probs")  # with distill_topk_forward
 
 
 def _world() -> tuple[int, int]:
@@ -75,8 +76,10 @@ def token_stats(
     entropy: bool = False,
     sum_pi_squared: bool = False,
     chunk_size: int = 1024,
+    topk_ids: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Per-token log π(label), and optionally entropy and Σπ², of (M, V) logits / temperature.
+    """Per-token log π(label), and optionally entropy and Σπ², of (M, V) logits / temperature;
+    with autograd on (the update) also log π at `topk_ids` (M, K) as `topk_log_probs`.
 
     With autograd off the work runs `chunk_size` rows at a time in float32, so the extra memory
     stays O(chunk_size·V); with autograd on (the update) it is one pass that keeps the graph.
@@ -87,6 +90,8 @@ def token_stats(
         out = {"log_probs": z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse}
         if entropy:
             out["entropy"] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+        if topk_ids is not None:
+            out["topk_log_probs"] = z.gather(-1, topk_ids) - lse.unsqueeze(-1)
         return out
     parts: dict[str, list[torch.Tensor]] = defaultdict(list)
     for start in range(0, logits.shape[0], chunk_size):
@@ -214,13 +219,14 @@ class DataParallelPPOActor:
         else:
             logits = self._response_logits(micro)
             chunk = self.config.sum_pi_squared_chunk_size
-            stats = token_stats(
-                logits, micro["responses"][valid], temperature, entropy, sum_pi_squared, chunk
-            )
+            topk = micro["guidance_topk_ids"][valid] if "guidance_topk_ids" in micro else None
+            stats = token_stats(logits, micro["responses"][valid], temperature, entropy,
+                                sum_pi_squared, chunk, topk)  # fmt: skip
         out = {}
-        for key, values in stats.items():
-            full = torch.zeros(valid.shape, dtype=values.dtype, device=values.device)
-            out[key] = full.masked_scatter(valid, values)
+        for key, values in stats.items():  # (M, ...) rows back to (B, T, ...)
+            full = values.new_zeros((*valid.shape, *values.shape[1:]))
+            full[valid] = values
+            out[key] = full
         return out
 
     def _micro_batches(
@@ -271,7 +277,7 @@ class DataParallelPPOActor:
         temperature = data.meta_info.get("temperature", 1.0)
         wanted = (*MODEL_INPUTS, "old_log_probs", "advantages", *OPTIONAL_UPDATE_KEYS)
         if self.config.distill_coef > 0:
-            wanted += DISTILL_KEYS
+            wanted += DISTILL_KEYS + (TOPK_KEYS if self.config.distill_topk_forward else ())
         keys = [k for k in wanted if k in data.batch.keys()]
         data = data.select(keys)
         _, world = _world()
@@ -323,9 +329,7 @@ class DataParallelPPOActor:
                 loss = loss + self.config.kl_coef * kl_loss
                 totals[M.ACTOR_KL_LOSS] += kl_loss.item()
             if self.config.distill_coef > 0:
-                term = distill_loss(stats["log_probs"], batch["guidance_log_probs"], batch["response_mask"],
-                                    batch.get("guidance_missing_mask"), batch.get("importance_weights"),
-                                    self.config.distill_estimator, **agg)  # fmt: skip
+                term = self._distill_term(batch, stats, agg)
                 loss = loss + self.config.distill_coef * term
                 totals[M.ACTOR_DISTILL_LOSS] += term.item()
             # FSDP averages gradients over ranks; the global normalisers already divide by all ranks
@@ -344,6 +348,16 @@ class DataParallelPPOActor:
         metrics[M.ACTOR_GRAD_NORM].append(grad_norm)
         metrics[M.ACTOR_SKIPPED_STEPS].append(float(not math.isfinite(grad_norm)))
         metrics[M.ACTOR_LR].append(self.actor_optimizer.param_groups[0]["lr"])
+
+    def _distill_term(self, batch: dict, stats: dict, agg: dict) -> torch.Tensor:
+        """The distillation loss term (unscaled): the sampled reverse KL toward the guidance, or
+        the forward KL over its top-K rows (`distill_topk_forward`)."""
+        missing = batch.get("guidance_missing_mask")
+        if self.config.distill_topk_forward:
+            return distill_topk_forward_loss(stats["topk_log_probs"], batch["guidance_topk_log_probs"],
+                                             batch["response_mask"], missing, **agg)  # fmt: skip
+        return distill_loss(stats["log_probs"], batch["guidance_log_probs"], batch["response_mask"], missing,
+                            batch.get("importance_weights"), self.config.distill_estimator, **agg)  # fmt: skip
 
     def _clip_and_step(self) -> float:
         params = [p for p in self.actor_module.parameters() if p.grad is not None]

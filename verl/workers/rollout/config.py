@@ -52,6 +52,8 @@ class OffPolicyGuidanceConfig:
     """Mix mode: responses per prompt generated entirely by the guidance."""
     behavior: str = "exact"
     """Behavior log-prob rule: exact mixture log q_λ, or provenance (BEHAVIORS)."""
+    keep_topk: bool = False
+    """auto: algorithm.distill.topk_forward: hand the trainer the guidance's top-K row of every response token."""
     teacher_scoring: str = "prefill"
     """Speculative mode at λ = 0 (the guidance only scores): overlap (rounds, scoring beside drafting) or prefill (whole responses, then one guidance prefill each)."""
 

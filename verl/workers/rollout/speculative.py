@@ -189,6 +189,14 @@ class ListedRows:
             found[~hit.any(-1) & ~self.lists_support()] = unknown
         return found
 
+    def topk(self) -> tuple[np.ndarray, np.ndarray]:
+        """(N, K) ids and log-probs of the top-K columns, a repeat of column 0 read at column 0's
+        value (`deduped` gives it -inf there, to count it once)."""
+        values = self.log_probs[:, 1:].copy()
+        repeat = self.ids[:, 1:] == self.ids[:, :1]
+        values[repeat] = np.broadcast_to(self.log_probs[:, :1], values.shape)[repeat]
+        return self.ids[:, 1:], values
+
     def lists_support(self) -> np.ndarray:
         """(N,) True where every token of nonzero probability is listed, so an unlisted token has
         probability exactly 0: the row's top-K ran past the processed support, i.e. it lists a
@@ -421,6 +429,9 @@ class GuidedSequence:
     """log q of each token: -inf where q is exactly 0 after processing, NaN where the guidance
     did not report it (`guidance_tensors` turns NaN into `guidance_missing_mask`)."""
     finished: bool = False
+    guidance_topk: tuple[np.ndarray, np.ndarray] | None = None
+    """(len, K) token ids and processed log-probs of the guidance's top-K at each position, when
+    the rollout keeps them (`offpolicy_guidance.keep_topk`)."""
 
 
 ProposeFn = Callable[

@@ -338,10 +338,18 @@ class VLLMRollout:
             self._counters.computed += computed
             tables = ListedRows(ids, values)
             self._counters.tail_mass.append(tables.tail_mass())
-            q = self._processed(tables).log_probs[:, 0].astype(np.float64)
-            ends = np.cumsum([count for _, count in rows])
-            for i, values_i in zip(part, np.split(q, ends[:-1]), strict=True):
+            processed = self._processed(tables)
+            ends = np.cumsum([count for _, count in rows])[:-1]
+            for i, values_i in zip(
+                part, np.split(processed.log_probs[:, 0].astype(np.float64), ends), strict=True
+            ):
                 seqs[i].guidance_log_probs = values_i.tolist()
+            if self.config.offpolicy_guidance.keep_topk:  # the rows, for a top-K forward KL
+                ids_k, values_k = processed.topk()
+                for i, a, b in zip(
+                    part, np.split(ids_k, ends), np.split(values_k, ends), strict=True
+                ):
+                    seqs[i].guidance_topk = (a, b)
 
     def _draft_only(self, prompts: list[list[int]], seeds) -> list[GuidedSequence]:
         """Whole responses from the draft engine, one seed per prompt."""
@@ -402,6 +410,8 @@ class VLLMRollout:
             "response_mask": resp_mask.float(),
             "rollout_log_probs": draft_lp * resp_mask,
         }
+        if guidance.enable and guidance.keep_topk:
+            tensors.update(_topk_tensors(seqs, r_len, self.num_logprobs))
         if guidance.enable:
             tensors.update(guidance_tensors(draft_lp, guide_lp, off, resp_mask, lam, guidance.mode, guidance.behavior))  # fmt: skip
         return DataProto.from_dict(tensors)
@@ -514,6 +524,19 @@ def _whole_response(
     unscored = [float("nan")] * len(tokens)
     return GuidedSequence(tokens, [from_guidance] * len(tokens), log_probs,
                           log_probs if from_guidance else unscored, True)  # fmt: skip
+
+
+def _topk_tensors(seqs: list[GuidedSequence], width: int, k: int) -> dict[str, torch.Tensor]:
+    """`guidance_topk_ids` (B, T, K) and `guidance_topk_log_probs` (B, T, K) from the rows the
+    sequences kept; padding and sequences without rows read id 0 and the floor."""
+    ids = torch.zeros(len(seqs), width, k, dtype=torch.long)
+    values = torch.full((len(seqs), width, k), LOG_PROB_FLOOR)
+    for i, seq in enumerate(seqs):
+        if seq.guidance_topk is not None:
+            n = len(seq.guidance_topk[0])
+            ids[i, :n] = torch.from_numpy(seq.guidance_topk[0])
+            values[i, :n] = torch.from_numpy(seq.guidance_topk[1]).float().clamp(min=LOG_PROB_FLOOR)
+    return {"guidance_topk_ids": ids, "guidance_topk_log_probs": values}
 
 
 def _unpad_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
