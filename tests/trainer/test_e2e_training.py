@@ -217,3 +217,35 @@ def test_bad_config_fails_before_ray_with_one_line(args, message):
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+
+
+def test_ctrl_c_ends_with_one_line_naming_the_step_and_the_checkpoint(assets, tmp_path):
+    """SIGINT to `python -m verl.trainer.main` after its second checkpoint: exit 130, and the last
+    line of stderr names the step, the last complete checkpoint and how to resume."""
+    import signal
+    import time
+
+    from omegaconf import OmegaConf
+
+    run_dir = tmp_path / "interrupted"
+    config = overrides(assets, str(run_dir), trainer={"max_steps": 200, "save_freq": 1, "val_before_train": False,
+                                                      "resume": "auto", "logger": ["file"]})  # fmt: skip
+    (tmp_path / "run.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+    proc = subprocess.Popen([sys.executable, "-m", "verl.trainer.main", f"config={tmp_path / 'run.yaml'}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not (run_dir / "global_step_2").is_dir() and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    last = stderr.strip().splitlines()[-1]
+    assert proc.returncode == 130, stderr[-3000:]
+    assert last.startswith("interrupted at step "), stderr[-3000:]
+    assert (
+        "last complete checkpoint: " in last
+        and "global_step_" in last
+        and "run the same command" in last
+    )
+    step = int(last.split("; last complete checkpoint: ")[1].split("global_step_")[1].split()[0])
+    assert (run_dir / f"global_step_{step}" / "actor").is_dir() and step >= 2

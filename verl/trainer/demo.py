@@ -4,8 +4,9 @@
    reversed-digit addition (`verl/utils/embedded.py`), with the project's own code.
 2. Trains the draft with guided GRPO (speculative mode) through the real Ray + FSDP + vLLM path,
    with `examples/grpo_guided.yaml` (GPU when there is one, CPU otherwise).
-3. Prints a short table: validation accuracy before / after, share of guidance tokens, mean
-   importance weight, and the paths of the plots.
+3. Prints a short table titled with the run's mode: validation accuracy before / after, and the
+   rows that apply (share of guidance tokens, mean importance weight and λ when guidance acted;
+   the reverse KL to the guidance with distillation), and the paths of the plots.
 
 Extra `key=value` arguments override the config, e.g. `python -m verl.trainer.demo trainer.max_steps=10`.
 """
@@ -25,8 +26,23 @@ def _rows(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def summarize(run_dir: str) -> str:
-    """The final table, from the run's experiment_log.jsonl."""
+def run_mode(config) -> str:
+    """What the run trained with, in words: the summary's title."""
+    guidance, distill = config.worker.rollout.offpolicy_guidance, config.algorithm.distill
+    outcome = config.algorithm.adv_estimator != "none"
+    if not guidance.enable:
+        return f"{config.algorithm.adv_estimator.upper()} (guidance off)"
+    if guidance.lam == 0 and (guidance.lam_schedule == "constant" or guidance.lam_end == 0):
+        sampling = "the draft's own rollouts (λ = 0, the guidance only scores)"
+    else:
+        sampling = f"{guidance.mode} guidance"
+    teacher = f"on-policy distillation ({distill.mode} mode)" if distill.coef > 0 else ""
+    parts = [config.algorithm.adv_estimator.upper() if outcome else "", teacher]
+    return " + ".join(p for p in parts if p) + f", {sampling}"
+
+
+def summarize(run_dir: str, config) -> str:
+    """The final table, from the run's experiment_log.jsonl: rows that apply to the run's mode."""
     rows = _rows(run_dir)
     vals = [r for r in rows if "val/reward_score" in r]
     train = [r for r in rows if "critic/score/mean" in r]
@@ -35,28 +51,35 @@ def summarize(run_dir: str) -> str:
         values = [r[key] for r in train if r.get(key) is not None]
         return sum(values) / max(len(values), 1)
 
+    def first_last(key: str, fmt: str) -> str:
+        return f"{format(train[0].get(key, 0), fmt)} -> {format(train[-1].get(key, 0), fmt)}"
+
     plots = sorted(
         os.path.join(run_dir, "plots", p) for p in os.listdir(os.path.join(run_dir, "plots"))
     )
+    guided = any(r.get("guidance/lambda", 0) > 0 for r in train)
     lines = [
         "",
-        "=== guided GRPO on the embedded arithmetic task ===",
+        f"=== {run_mode(config)}, embedded arithmetic task ===",
         f"{'validation accuracy (draft alone, greedy)':45s} {vals[0]['val/reward_score']:.1%} -> {vals[-1]['val/reward_score']:.1%}"
         f"  (steps {vals[0]['step']} -> {vals[-1]['step']})",
-        f"{'training reward (guided rollouts)':45s} {train[0]['critic/score/mean']:.1%} -> {train[-1]['critic/score/mean']:.1%}",
-        f"{'share of guidance tokens (mean over steps)':45s} {mean('guidance/offpolicy_token_ratio'):.1%}",
-        f"{'mean importance weight':45s} {mean('guidance/is_weight_mean'):.3f}",
-        f"{'lambda (first -> last step)':45s} {train[0].get('guidance/lambda', 0):.2f} -> {train[-1].get('guidance/lambda', 0):.2f}",
-        f"{'run folder':45s} {run_dir}",
-        "plots:",
-        *(f"  {p}" for p in plots),
+        f"{'training reward (' + ('guided rollouts' if guided else 'rollouts') + ')':45s} {first_last('critic/score/mean', '.1%')}",
     ]  # fmt: skip
+    if guided:
+        lines += [
+            f"{'share of guidance tokens (mean over steps)':45s} {mean('guidance/offpolicy_token_ratio'):.1%}",
+            f"{'mean importance weight':45s} {mean('guidance/is_weight_mean'):.3f}",
+            f"{'lambda (first -> last step)':45s} {first_last('guidance/lambda', '.2f')}",
+        ]  # fmt: skip
+    if any("distill/reverse_kl" in r for r in train):
+        lines.append(f"{'reverse KL to the guidance (first -> last)':45s} {first_last('distill/reverse_kl', '.3f')}")  # fmt: skip
+    lines += [f"{'run folder':45s} {run_dir}", "plots:", *(f"  {p}" for p in plots)]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     from verl.trainer.config import ConfigError, load_config
-    from verl.trainer.main import prepare, run
+    from verl.trainer.main import TrainingInterrupted, prepare, run
     from verl.utils.embedded import build_embedded
 
     args = sys.argv[1:] if argv is None else argv
@@ -72,8 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError, KeyError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    run(prepared)
-    print(summarize(config.trainer.save_checkpoint_path))
+    try:
+        run(prepared)
+    except TrainingInterrupted as stop:
+        print(stop, file=sys.stderr)
+        return 130
+    print(summarize(config.trainer.save_checkpoint_path, config))
     print(f"total time {time.perf_counter() - start:.0f} s")
     return 0
 

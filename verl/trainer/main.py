@@ -108,13 +108,38 @@ def start_ray(config: PPOConfig) -> None:
              runtime_env=env, log_to_driver=True)  # fmt: skip
 
 
+class TrainingInterrupted(Exception):
+    """Ctrl-C during a run; its message is the one line a user needs: the step and how to resume."""
+
+
+def interrupted_message(trainer, config: PPOConfig) -> str:
+    """One line after Ctrl-C: the step reached, the last complete checkpoint, how to resume."""
+    if trainer is None:
+        return "interrupted while starting the workers; nothing was trained"
+    done = trainer._checkpoints()
+    where = f"interrupted at step {trainer.global_step} of {trainer.total_steps}"
+    if not done:
+        return f"{where}; no complete checkpoint in {trainer.run_dir} yet (trainer.save_freq), so a new run starts from step 0"
+    latest = os.path.join(trainer.run_dir, f"global_step_{done[-1]}")
+    how = (
+        "run the same command again"
+        if config.trainer.resume == "auto"
+        else "add trainer.resume=auto"
+    )
+    return (
+        f"{where}; last complete checkpoint: {latest} (step {done[-1]}); to resume from it, {how}"
+    )
+
+
 def run(prepared: Prepared) -> dict[str, float]:
-    """Start Ray, build the workers, train; Ray is shut down even when a step fails."""
+    """Start Ray, build the workers, train; Ray is shut down even when a step fails. Ctrl-C
+    raises `TrainingInterrupted` with one line (step, last complete checkpoint, how to resume)."""
     import ray
 
     from verl.trainer.ray_trainer import RayPPOTrainer
 
     start_ray(prepared.config)
+    trainer = None
     try:
         trainer = RayPPOTrainer(prepared.config, prepared.train, prepared.val, prepared.reward,
                                 prepared.val_reward)  # fmt: skip
@@ -122,8 +147,13 @@ def run(prepared: Prepared) -> dict[str, float]:
         metrics = trainer.fit()
         _plot(trainer.run_dir)
         return metrics
+    except KeyboardInterrupt:
+        raise TrainingInterrupted(interrupted_message(trainer, prepared.config)) from None
     finally:
-        ray.shutdown()
+        try:
+            ray.shutdown()
+        except KeyboardInterrupt:  # a second Ctrl-C while Ray stops: it is stopping anyway
+            pass
 
 
 def _plot(run_dir: str) -> None:
@@ -151,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     except RewardError as error:  # the run stopped cleanly (Ray shut down); say why in one line
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except TrainingInterrupted as stop:
+        print(stop, file=sys.stderr)
+        return 130
     return 0
 
 
