@@ -1,7 +1,7 @@
 """PPO/GRPO configuration (EasyR1 style): nested dataclasses merged with OmegaConf.
 
-Merge order: structured defaults <- YAML (`config=path.yaml`) <- CLI dot-list
-(`worker.rollout.n=8`). `load_config` then runs the one post-init pass (`PPOConfig.post_init`)
+Merge order: structured defaults <- YAML (`config=path.yaml`, repeatable: a base, then overlays
+such as `config=configs/otb.yaml`, in order) <- CLI dot-list (`worker.rollout.n=8`). `load_config` then runs the one post-init pass (`PPOConfig.post_init`)
 that fills derived ("auto") keys and validates everything, so a bad value fails in one line that
 names the key, the value and the valid choices, before Ray or any engine starts.
 """
@@ -326,19 +326,19 @@ def load_config(args: Sequence[str] = (), overrides: dict[str, Any] | None = Non
     wrong type or an invalid value.
     """
     schema = OmegaConf.structured(PPOConfig)
-    dotlist, yaml_path = [], None
+    dotlist, yaml_paths = [], []
     for arg in args:
         if "=" not in arg:
             raise ConfigError(
                 f"argument {arg!r} is not of the form key=value (e.g. worker.rollout.n=8)"
             )
         if arg.startswith("config="):
-            yaml_path = arg.split("=", 1)[1]
+            yaml_paths.append(arg.split("=", 1)[1])
         else:
             dotlist.append(arg)
     try:
         merged = schema
-        if yaml_path is not None:
+        for yaml_path in yaml_paths:  # a base, then overlays (configs/*.yaml), in order
             if not os.path.isfile(yaml_path):
                 raise ConfigError(f"config file {yaml_path!r} not found")
             merged = OmegaConf.merge(merged, OmegaConf.load(yaml_path))
