@@ -166,10 +166,22 @@ def _plot(run_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse, check (before Ray), run. Exit 2 on a bad configuration or input, with one line."""
+    """Parse, check (before Ray), run. Exit 2 on a bad configuration or input, with one line.
+    `--dry-run`: load and validate the final config, print it as YAML, and stop (no models,
+    data or Ray are touched)."""
     args = sys.argv[1:] if argv is None else argv
+    dry_run = "--dry-run" in args
+    args = [a for a in args if a != "--dry-run"]
     try:
-        prepared = prepare(load_config(args))
+        config = load_config(args)
+        if dry_run:
+            from omegaconf import OmegaConf
+
+            from verl.trainer.config import to_dict
+
+            print(OmegaConf.to_yaml(OmegaConf.create(to_dict(config))), end="")
+            return 0
+        prepared = prepare(config)
     except (ConfigError, FileNotFoundError, ValueError, KeyError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"error: {message}", file=sys.stderr)
