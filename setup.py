@@ -22,6 +22,7 @@ INSTALL_REQUIRES = [
     "pyarrow",
     "math-verify>=0.7",
     "wandb",
+    "wandb-workspaces==0.4.13",
     "tensorboard",
     "tqdm",
     "torchdata>=0.11",

@@ -16,6 +16,8 @@ import sys
 import pytest
 import torch
 
+from verl.utils.metric_names import is_known
+
 pytestmark = pytest.mark.e2e
 
 REWARD = """
@@ -155,6 +157,9 @@ def test_two_step_run_trains_and_logs_finite_metrics(
     assert [r["step"] for r in steps] == [1, 2]
     for key in TRAIN_KEYS + keys:
         assert all(key in r for r in steps), f"{name}: {key} missing"
+    logged = {k for r in rows for k in r if k != "step"}
+    undocumented = sorted(k for k in logged if not is_known(k))  # metric_reference covers is_known
+    assert not undocumented, f"{name}: not in the metric reference: {undocumented}"
     if name == "guidance_off":  # (the one variant that validates: before training and at the end)
         assert "val/reward_score" in rows[0] and rows[0]["step"] == 0
         assert "val/reward_score" in rows[-1] and rows[-1]["step"] == 2

@@ -14,6 +14,7 @@ NAMESPACES = (
     "distill",
     "actor",
     "critic/score",
+    "critic/advantages",
     "response_length",
     "timing_s",
     "perf",
@@ -69,6 +70,41 @@ ACTOR_OPSM_MASKED_SEQ_FRAC = "actor/opsm_masked_seq_frac"
 ACTOR_SKIPPED_STEPS = "actor/skipped_steps"
 ACTOR_LUFFY_TOKEN_FRAC = "actor/luffy_token_frac"
 
+# critic/*, response_length/*: the batch's rewards, advantages and lengths (verl/trainer/metrics.py).
+CRITIC_SCORE_MEAN = "critic/score/mean"
+CRITIC_SCORE_MAX = "critic/score/max"
+CRITIC_SCORE_MIN = "critic/score/min"
+CRITIC_ADVANTAGES_MEAN = "critic/advantages/mean"
+CRITIC_ADVANTAGES_MAX = "critic/advantages/max"
+CRITIC_ADVANTAGES_MIN = "critic/advantages/min"
+RESPONSE_LENGTH_MEAN = "response_length/mean"
+RESPONSE_LENGTH_MAX = "response_length/max"
+RESPONSE_LENGTH_MIN = "response_length/min"
+RESPONSE_LENGTH_CLIP_RATIO = "response_length/clip_ratio"
+
+# perf/*: throughput of the step.
+PERF_TOTAL_NUM_TOKENS = "perf/total_num_tokens"
+PERF_TIME_PER_STEP = "perf/time_per_step"
+PERF_THROUGHPUT = "perf/throughput"
+
+# timing_s/*: wall seconds of each stage of a step, in the order the trainer runs them.
+TIMING_STAGES = (
+    "gen", "old_log_prob", "ref", "reward", "off_policy", "adv", "update_actor", "sync_weights",
+)  # fmt: skip
+TIMING_GEN, TIMING_OLD_LOG_PROB, TIMING_REF, TIMING_REWARD = (
+    f"timing_s/{s}" for s in TIMING_STAGES[:4]
+)
+TIMING_OFF_POLICY, TIMING_ADV, TIMING_UPDATE_ACTOR, TIMING_SYNC_WEIGHTS = (
+    f"timing_s/{s}" for s in TIMING_STAGES[4:]
+)
+
+# val/*: the draft alone on the validation set (greedy unless val_override_config says otherwise).
+VAL_REWARD_SCORE = "val/reward_score"
+VAL_RESPONSE_LENGTH = "val/response_length"
+
+# Families whose last part is a reward component returned by the reward function (e.g. accuracy).
+FAMILIES = ("critic/score/<component>", "val/score/<component>")
+
 ALL_FIXED = tuple(
     v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str) and "/" in v
 )
@@ -77,3 +113,11 @@ ALL_FIXED = tuple(
 def in_namespace(name: str) -> bool:
     """True when `name` belongs to one of the documented namespaces."""
     return any(name.startswith(ns + "/") for ns in NAMESPACES)
+
+
+def is_known(name: str) -> bool:
+    """True when the trainer may log `name`: a fixed name or a member of a component family."""
+    if name in ALL_FIXED:
+        return True
+    head, _, component = name.rpartition("/")
+    return bool(component) and f"{head}/<component>" in FAMILIES

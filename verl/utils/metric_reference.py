@@ -1,0 +1,150 @@
+"""What every logged metric means and what a healthy run shows: the source of the metric reference
+in README_guidance.md (`python -m verl.tools.docs`) and of the wandb dashboard's sections
+(`python -m verl.tools.wandb_dashboard`). Names come from `verl.utils.metric_names`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verl.utils import metric_names as M
+
+
+@dataclass(frozen=True)
+class MetricDoc:
+    """One logged name (or `<component>` family) with its dashboard section and its reading."""
+
+    name: str
+    section: str
+    meaning: str
+    healthy: str
+
+
+SECTIONS = (
+    "Guidance",
+    "Off-policy correction",
+    "Mismatch",
+    "OTB variance",
+    "Distillation",
+    "Actor",
+    "Rewards",
+    "Timing",
+)
+"""Dashboard sections, in the order they appear (README_guidance.md groups the reference alike)."""
+
+_G, _O, _MM, _V, _D, _A, _R, _T = SECTIONS
+
+_DOCS = (
+    # ---------------------------------------------------------------- Guidance
+    MetricDoc(M.GUIDANCE_LAMBDA, _G, "λ of this step's rollout (the schedule's value; 0 for a teacher-only rollout).",
+              "Follows `lam` → `lam_end`."),
+    MetricDoc(M.GUIDANCE_OFFPOLICY_TOKEN_RATIO, _G, "Share of response tokens the guidance emitted (provenance: a rejected proposal's residual draw, or a bonus token from q_λ); mix mode: share of tokens in guidance-written responses.",
+              "Grows with λ and with the draft–guidance disagreement; at fixed λ it should fall as the draft learns (5 % on the demo, λ 0.5 → 0.1)."),
+    MetricDoc(M.GUIDANCE_OFFPOLICY_SEQ_RATIO, _G, "Share of responses with at least one guidance token.",
+              "Between the token ratio and 1; near 1 means almost every response is a blend."),
+    MetricDoc(M.GUIDANCE_ACCEPT_RATE, _G, "Speculative mode: accepted / proposed draft tokens. Its expectation is 1 − λ·TV(p, q), since q_λ − p = λ(q − p).",
+              "1 − accept_rate ≤ λ; near 1 − λ means draft and guidance almost never agree."),
+    MetricDoc(M.GUIDANCE_BEHAVIOR_KL, _G, "mean(log μ − log p) over sampled tokens: the k1 estimate of KL(μ ‖ p), how far the behavior is from the draft's own sampler. Not logged in mix mode.",
+              "≥ 0 in expectation; 0 at λ = 0; large values mean large importance-weight corrections."),
+    MetricDoc(M.GUIDANCE_MISSING_LOGPROB_RATIO, _G, "Share of response tokens without a guidance log-prob (outside the guidance's top-K, or a draft response in mix mode).",
+              "0 when `logprobs` covers the vocabulary; in mix mode 1 − offpolicy_token_ratio."),
+    MetricDoc(M.GUIDANCE_TOPK_TAIL_MASS, _G, "Mean probability mass of the guidance outside the `logprobs` top-K it returned, per scored position.",
+              "Below ~1e-3 for the exactness bounds of README_guidance.md to be small; raise `logprobs` if not."),
+    # ---------------------------------------------------------------- Off-policy correction
+    MetricDoc(M.GUIDANCE_IS_WEIGHT_MEAN, _O, "Mean truncated importance weight w = clamp(π_old/μ) over response tokens (`tis_level`).",
+              "Near 1; below 1 even at λ = 0 under top-k/top-p (π_old is the untruncated softmax)."),
+    MetricDoc(M.GUIDANCE_IS_WEIGHT_STD, _O, "Standard deviation of the weights.",
+              "Small (< 0.5); growth means the update leans on a few tokens."),
+    MetricDoc(M.GUIDANCE_IS_WEIGHT_MIN, _O, "Smallest weight of the batch.",
+              "≥ `importance_clamp_min`; near 0 for guidance tokens the draft finds unlikely."),
+    MetricDoc(M.GUIDANCE_IS_WEIGHT_MAX, _O, "Largest weight of the batch.",
+              "≤ `importance_clamp_max`; at the cap when some token is clipped."),
+    MetricDoc(M.GUIDANCE_IS_CLIP_FRAC, _O, "Share of tokens whose raw ratio left [clamp_min, clamp_max].",
+              "A few percent; a large value biases the update (raise the cap or lower λ)."),
+    MetricDoc(M.MISMATCH_MIS_MASKED_FRAC, _O, "Masked IS (`mis_level`): share of tokens dropped because their ratio left the band.",
+              "A few percent at most."),
+    MetricDoc(M.MISMATCH_GEO_MASKED_SEQ_FRAC, _O, "Geometric mask: share of responses dropped because exp(mean log π_old/μ) left the band.",
+              "Near 0."),
+    MetricDoc(M.ACTOR_OPSM_MASKED_SEQ_FRAC, _O, "OPSM (`opsm_delta`): share of responses dropped (A < 0 and mean log(μ/π_θ) > δ).",
+              "Near 0 on-policy; grows with λ."),
+    MetricDoc(M.ACTOR_LUFFY_TOKEN_FRAC, _O, "LUFFY shaping: share of tokens whose loss is the shaped −A·π/(π+γ) (the guidance tokens).",
+              "Equals offpolicy_token_ratio."),
+    # ---------------------------------------------------------------- Mismatch
+    MetricDoc(M.MISMATCH_KL_V1, _MM, "mean(log μ − log π_old) over draft-emitted, non-forced tokens: vLLM's sampler vs the FSDP actor.",
+              "|kl_v1| < 1e-3 in float32; ~1e-3–1e-2 in bf16."),
+    MetricDoc(M.MISMATCH_KL_V2, _MM, "½·mean((log μ − log π_old)²) over the same tokens.",
+              "< 1e-3; a jump means the engines disagree (weights not synced, dtype, kernels)."),
+    MetricDoc(M.MISMATCH_KL_K3, _MM, "mean(r − 1 − log r), r = π_old/μ, over the same tokens (non-negative estimator).",
+              "Like kl_v2."),
+    MetricDoc(M.MISMATCH_FORCED_TOKEN_RATIO, _MM, "Share of draft tokens sampled with log-prob above `mismatch_forced_threshold` (left out of the KLs).",
+              "Rises as the policy sharpens."),
+    # ---------------------------------------------------------------- OTB variance
+    MetricDoc(M.VARIANCE_PROXY_TOTAL_POWER, _V, "mean_i A_i²·W_i, W_i = Σ_t ‖e_y − π‖² (× w²): the summed per-sample gradient energy (needs Σπ²).",
+              "Falls with a better baseline (OTB below GRPO at equal data)."),
+    MetricDoc(M.VARIANCE_PROXY_SIGNAL, _V, "‖ḡ‖², the squared measured gradient norm.",
+              "Compare with total power: signal ≪ power means a noisy step."),
+    MetricDoc(M.VARIANCE_PROXY_PURE_NOISE, _V, "(total_power − signal)/(N − 1): the noise part of the batch gradient.",
+              "Lower is better at equal signal."),
+    MetricDoc(M.VARIANCE_PROXY_EXPECTED_A2, _V, "mean_i A_i², the advantage power.",
+              "≈ 1 with GRPO's std normalisation, less with Dr. GRPO or OTB."),
+    MetricDoc(M.VARIANCE_PROXY_EXPECTED_W, _V, "mean_i W_i, the score-function energy of a response.",
+              "Falls as the policy sharpens."),
+    # ---------------------------------------------------------------- Distillation
+    MetricDoc(M.DISTILL_REVERSE_KL, _D, "mean of w·k_t(π_old, q) over scored tokens: the per-token estimate of KL(π_old ‖ q) toward the guidance.",
+              "Falls over training; the distillation signal."),
+    MetricDoc(M.DISTILL_TEACHER_LOG_PROB, _D, "mean log q of the sampled tokens that the guidance gives positive probability.",
+              "Rises toward 0 as the draft imitates the guidance."),
+    MetricDoc(M.DISTILL_MISSING_FRAC, _D, "Share of response tokens left out of the distillation term (no guidance log-prob).",
+              "0 when `logprobs` covers the vocabulary."),
+    MetricDoc(M.DISTILL_ADVANTAGE_ABS, _D, "Reward mode: mean |β·k_t|, the size of the dense term added to the advantages.",
+              "Comparable to or below the outcome advantages' scale."),
+    MetricDoc(M.ACTOR_DISTILL_LOSS, _D, "Loss mode: β·agg(w·k_t(π_θ, q)) (or the top-K forward KL), averaged over micro-batches.",
+              "Falls over training."),
+    # ---------------------------------------------------------------- Actor
+    MetricDoc(M.ACTOR_PG_LOSS, _A, "Policy-gradient loss of the update (mean over micro-batches).", "Noisy around 0."),
+    MetricDoc(M.ACTOR_PPO_KL, _A, "mean(log π_old − log π_θ) over updated tokens: how far the update moved.", "Small, < 1e-2."),
+    MetricDoc(M.ACTOR_PG_CLIPFRAC, _A, "Share of tokens where the PPO (or trust-region) clip is active.", "A few percent."),
+    MetricDoc(M.ACTOR_PG_CLIPFRAC_LOWER, _A, "Share of tokens clipped by the dual-clip lower bound (A < 0).", "Near 0."),
+    MetricDoc(M.ACTOR_GRAD_NORM, _A, "Gradient norm before clipping to `max_grad_norm`.", "Finite; spikes precede instability."),
+    MetricDoc(M.ACTOR_LR, _A, "Learning rate of the step.", "Follows the warm-up/decay schedule."),
+    MetricDoc(M.ACTOR_ENTROPY, _A, "Mean token entropy of π_θ (when `entropy_coeff` > 0).", "Falls slowly; a collapse to 0 stops exploration."),
+    MetricDoc(M.ACTOR_KL_LOSS, _A, "KL(π_θ ‖ π_ref) loss term (`use_kl_loss`).", "Small and slowly growing."),
+    MetricDoc(M.ACTOR_SKIPPED_STEPS, _A, "Optimizer steps skipped because the gradient was not finite.", "0."),
+    # ---------------------------------------------------------------- Rewards
+    MetricDoc(M.CRITIC_SCORE_MEAN, _R, "Mean outcome reward of the batch's responses (guided ones included).", "Rises."),
+    MetricDoc(M.CRITIC_SCORE_MAX, _R, "Largest response reward.", "—"),
+    MetricDoc(M.CRITIC_SCORE_MIN, _R, "Smallest response reward.", "—"),
+    MetricDoc("critic/score/<component>", _R, "Mean of one component the reward function returns besides `overall` (e.g. accuracy, format).", "—"),
+    MetricDoc(M.CRITIC_ADVANTAGES_MEAN, _R, "Mean advantage over response tokens.", "Near 0 with group baselines."),
+    MetricDoc(M.CRITIC_ADVANTAGES_MAX, _R, "Largest advantage.", "—"),
+    MetricDoc(M.CRITIC_ADVANTAGES_MIN, _R, "Smallest advantage.", "—"),
+    MetricDoc(M.RESPONSE_LENGTH_MEAN, _R, "Mean response length in tokens.", "—"),
+    MetricDoc(M.RESPONSE_LENGTH_MAX, _R, "Longest response.", "—"),
+    MetricDoc(M.RESPONSE_LENGTH_MIN, _R, "Shortest response.", "—"),
+    MetricDoc(M.RESPONSE_LENGTH_CLIP_RATIO, _R, "Share of responses cut at `max_response_length`.", "Near 0; raise the limit if not."),
+    MetricDoc(M.VAL_REWARD_SCORE, _R, "Mean reward of the draft alone on the validation set (no guidance).", "Rises: the number guidance must improve."),
+    MetricDoc(M.VAL_RESPONSE_LENGTH, _R, "Mean validation response length.", "—"),
+    MetricDoc("val/score/<component>", _R, "Validation mean of one reward component.", "—"),
+    # ---------------------------------------------------------------- Timing
+    MetricDoc(M.TIMING_GEN, _T, "Rollout: draft (and guidance) generation.", "The largest stage."),
+    MetricDoc(M.TIMING_OLD_LOG_PROB, _T, "Actor forward for π_old (and Σπ²).", "—"),
+    MetricDoc(M.TIMING_REF, _T, "Reference forward (KL).", "—"),
+    MetricDoc(M.TIMING_REWARD, _T, "Reward function.", "—"),
+    MetricDoc(M.TIMING_OFF_POLICY, _T, "Behavior log-probs, importance weights, masks and the guidance metrics.", "Small."),
+    MetricDoc(M.TIMING_ADV, _T, "Advantage estimation (and the distillation reward).", "Small."),
+    MetricDoc(M.TIMING_UPDATE_ACTOR, _T, "Actor update.", "—"),
+    MetricDoc(M.TIMING_SYNC_WEIGHTS, _T, "Actor → rollout weight sync.", "Small."),
+    MetricDoc(M.PERF_TIME_PER_STEP, _T, "Wall seconds of the whole step.", "—"),
+    MetricDoc(M.PERF_TOTAL_NUM_TOKENS, _T, "Prompt + response tokens of the batch.", "—"),
+    MetricDoc(M.PERF_THROUGHPUT, _T, "Tokens per second per actor rank.", "—"),
+)  # fmt: skip
+
+METRIC_DOCS: dict[str, MetricDoc] = {doc.name: doc for doc in _DOCS}
+"""Reference entry of every name in `metric_names.ALL_FIXED` and every family in `FAMILIES`."""
+
+
+def in_section(section: str) -> list[MetricDoc]:
+    """The reference entries of one dashboard section, in reference order."""
+    if section not in SECTIONS:
+        raise ValueError(f"unknown section '{section}'; valid: {', '.join(SECTIONS)}")
+    return [doc for doc in _DOCS if doc.section == section]
