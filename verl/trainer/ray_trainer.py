@@ -23,7 +23,7 @@ from verl.protocol import DataProto
 from verl.trainer.config import PPOConfig, to_dict
 from verl.trainer.core_algos.advantage import get_adv_estimator_fn, is_grouped
 from verl.trainer.core_algos.distill import compute_distill_metrics, distill_advantages
-from verl.trainer.core_algos.guidance import compute_guidance_metrics
+from verl.trainer.core_algos.guidance import compute_guidance_diagnostics, compute_guidance_metrics
 from verl.trainer.core_algos.kl import apply_kl_penalty, compute_mismatch_metrics
 from verl.trainer.core_algos.offpolicy import (
     compute_geometric_mask,
@@ -183,6 +183,14 @@ class RayPPOTrainer:
             metrics.update(compute_distill_metrics(b["old_log_probs"], teacher, b["response_mask"], missing,
                                                    b.get("importance_weights"), distill.estimator, term))  # fmt: skip
         b["advantages"], b["returns"] = advantages, returns
+        if (
+            cfg.worker.rollout.offpolicy_guidance.enable
+        ):  # what the update gets from guidance tokens
+            metrics.update(compute_guidance_diagnostics(
+                b["offpolicy_mask"], b["response_mask"], b["old_log_probs"], b["behavior_log_probs"],
+                advantages, b["token_level_scores"].sum(-1), batch.non_tensor_batch["uid"].tolist(),
+                (algo.importance_clamp_min, algo.importance_clamp_max), b.get("importance_weights"),
+                b.get("sum_pi_squared")))  # fmt: skip
         if "sum_pi_squared" in b.keys():
             metrics.update(compute_variance_proxy_metrics(advantages, b["response_mask"], b["old_log_probs"],
                                                           b["sum_pi_squared"], b.get("importance_weights")))  # fmt: skip

@@ -34,6 +34,13 @@ GUIDANCE_IS_CLIP_FRAC = "guidance/is_clip_frac"
 GUIDANCE_MISSING_LOGPROB_RATIO = "guidance/missing_logprob_ratio"
 GUIDANCE_BEHAVIOR_KL = "guidance/behavior_kl"
 GUIDANCE_TOPK_TAIL_MASS = "guidance/topk_tail_mass"
+# guidance/guided_*: what the update gets from the guidance tokens (diagnosis of a guided step).
+GUIDANCE_GUIDED_IS_WEIGHT_MEAN = "guidance/guided_is_weight_mean"
+GUIDANCE_GUIDED_IS_CLIP_FRAC = "guidance/guided_is_clip_frac"
+GUIDANCE_GUIDED_GRAD_SHARE = "guidance/guided_grad_share"
+GUIDANCE_GUIDED_SEQ_SCORE = "guidance/guided_seq_score"
+GUIDANCE_UNGUIDED_SEQ_SCORE = "guidance/unguided_seq_score"
+GUIDANCE_GUIDED_SCORE_GAP = "guidance/guided_score_gap"
 
 # mismatch/*: sampling (vLLM) vs training (FSDP) log-probs on draft-emitted tokens.
 MISMATCH_KL_V1 = "mismatch/kl_v1"

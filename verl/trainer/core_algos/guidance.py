@@ -193,3 +193,63 @@ def compute_guidance_metrics(
     if lam is not None:
         metrics[M.GUIDANCE_LAMBDA] = float(lam)
     return metrics
+
+
+def _group_gap(scores: torch.Tensor, guided_seq: torch.Tensor, index: list) -> float | None:
+    """Mean over groups holding both kinds of (mean guided score - mean unguided score)."""
+    gaps = []
+    for uid in dict.fromkeys(index):
+        rows = torch.tensor([u == uid for u in index])
+        guided, unguided = rows & guided_seq, rows & ~guided_seq
+        if guided.any() and unguided.any():
+            gaps.append(scores[guided].mean().item() - scores[unguided].mean().item())
+    return sum(gaps) / len(gaps) if gaps else None
+
+
+def compute_guidance_diagnostics(
+    offpolicy_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    behavior_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    scores: torch.Tensor,
+    index: list,
+    clamp: tuple[float, float],
+    importance_weights: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """What a guided step's update gets from its guidance tokens. Inputs (B, T); scores, index (B,).
+
+    guided_is_weight_mean / guided_is_clip_frac: clamp(π_old/μ) and the share outside `clamp`,
+    over guidance tokens only. guided_grad_share = Σ_guided (w·A)²·E / Σ_valid (w·A)²·E, with
+    E_t = ‖e_y - π_old‖² = 1 - 2π_old(y_t) + Σπ² the squared norm of token t's policy-gradient
+    term in logit space (needs Σπ²; cross-token terms ignored; w = 1 without weights).
+    guided_score_gap: over the groups (`index`) holding responses with and without guidance
+    tokens, the mean of (their mean score with - without). A name is left out when no token or
+    group qualifies. Paper: https://arxiv.org/abs/2602.07078 (the logit-space gradient energy).
+    """
+    valid = response_mask.bool()
+    guided = offpolicy_mask.bool() & valid
+    metrics: dict[str, float] = {}
+    if guided.any():
+        raw = (old_log_probs - behavior_log_probs).clamp(max=50.0).exp()[guided]
+        metrics[M.GUIDANCE_GUIDED_IS_WEIGHT_MEAN] = raw.clamp(*clamp).mean().item()
+        outside = (raw < clamp[0]) | (raw > clamp[1])
+        metrics[M.GUIDANCE_GUIDED_IS_CLIP_FRAC] = outside.float().mean().item()
+    if sum_pi_squared is not None:
+        energy = (1.0 - 2.0 * old_log_probs.exp() + sum_pi_squared).clamp(min=0.0)
+        w = importance_weights if importance_weights is not None else torch.ones_like(energy)
+        power = (w * advantages) ** 2 * energy * valid
+        total = power.sum().item()
+        if total > 0:
+            metrics[M.GUIDANCE_GUIDED_GRAD_SHARE] = (power * guided).sum().item() / total
+    guided_seq = guided.any(dim=-1)
+    has_tokens = valid.any(dim=-1)
+    if (guided_seq & has_tokens).any():
+        metrics[M.GUIDANCE_GUIDED_SEQ_SCORE] = scores[guided_seq & has_tokens].mean().item()
+    if (~guided_seq & has_tokens).any():
+        metrics[M.GUIDANCE_UNGUIDED_SEQ_SCORE] = scores[~guided_seq & has_tokens].mean().item()
+    gap = _group_gap(scores, guided_seq & has_tokens, list(index))
+    if gap is not None:
+        metrics[M.GUIDANCE_GUIDED_SCORE_GAP] = gap
+    return metrics
