@@ -64,3 +64,23 @@ def test_teacher_forced_accuracy_equals_greedy_decoding():
         )
     assert 0 < sum(right) < len(rows)  # a mix of right and wrong rows: the check can tell
     assert greedy_accuracy(model, rows, tok) == pytest.approx(sum(right) / len(rows))
+
+
+def test_snapshot_is_the_pair_runs_model_at_that_step_and_is_cached(tmp_path):
+    from safetensors.torch import load_file
+
+    from verl.utils.embedded import SFTSpec, build_embedded, build_snapshot
+    from verl.utils.tiny_lm import TinyLMSpec
+
+    spec = SFTSpec(TinyLMSpec(hidden_size=64, num_hidden_layers=1, vocab_size=128, seed=3),
+                   draft_steps=2, guidance_steps=3, batch_size=8)  # fmt: skip
+    pair = build_embedded(str(tmp_path / "pair"), spec, log=lambda *_: None)
+    logs = []
+    snap = build_snapshot("early", 2, str(tmp_path / "pair"), spec, log=logs.append)
+    assert logs and snap["accuracy"] == pair["draft_accuracy"]
+    same = load_file(str(tmp_path / "pair" / "draft" / "model.safetensors"))
+    built = load_file(str(tmp_path / "pair" / "early" / "model.safetensors"))
+    assert all(torch.equal(same[k], built[k]) for k in same)  # the same run, stopped at step 2
+    logs.clear()
+    assert build_snapshot("early", 2, str(tmp_path / "pair"), spec, log=logs.append) == snap
+    assert not logs  # reused, not rebuilt

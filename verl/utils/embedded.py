@@ -111,15 +111,18 @@ def greedy_accuracy(model, rows: list[dict[str, str]], tokenizer) -> float:
     return correct.all(-1).float().mean().item()
 
 
-def supervised_train(spec: SFTSpec, rows: list[dict[str, str]], tokenizer, log=print):
+def supervised_train(
+    spec: SFTSpec, rows: list[dict[str, str]], tokenizer, log=print, snapshots: tuple[int, ...] = ()
+):
     """Cross-entropy on the answer tokens (prompts are not predicted); yields (step, model) at
-    `draft_steps` and `guidance_steps`."""
+    each step of `snapshots` (default: `draft_steps` and `guidance_steps`), then stops."""
+    snapshots = tuple(sorted(snapshots or (spec.draft_steps, spec.guidance_steps)))
     model = build_tiny_qwen2(spec.model, tokenizer)
     ids, mask = _encode(rows, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     gen = torch.Generator().manual_seed(spec.model.seed)
-    for step in range(1, spec.guidance_steps + 1):
+    for step in range(1, snapshots[-1] + 1):
         model.train()
         pick = torch.randint(0, ids.shape[0], (spec.batch_size,), generator=gen)
         batch, target = ids[pick], mask[pick]
@@ -130,8 +133,8 @@ def supervised_train(spec: SFTSpec, rows: list[dict[str, str]], tokenizer, log=p
         optimizer.step()
         schedule.step()
         if step % 50 == 0:
-            log(f"  step {step}/{spec.guidance_steps}  loss {loss.item():.3f}")
-        if step in (spec.draft_steps, spec.guidance_steps):
+            log(f"  step {step}/{snapshots[-1]}  loss {loss.item():.3f}")
+        if step in snapshots:
             model.eval()
             yield step, model
 
@@ -179,6 +182,29 @@ def build_embedded(out: str = CACHE_DIR, spec: SFTSpec = PAIR, log=print) -> dic
             f"  {name} (step {step}): test accuracy {accuracy:.1%} ({time.perf_counter() - start:.0f} s)"
         )
     return result
+
+
+def build_snapshot(
+    name: str, step: int, out: str = CACHE_DIR, spec: SFTSpec = PAIR, log=print
+) -> dict[str, str | float]:
+    """Build (once) the model of `spec`'s supervised run at `step` as `out/name` (e.g. a weaker
+    draft than the pair's); returns its path and greedy test accuracy."""
+    path = os.path.join(out, name)
+    wanted = {"spec": asdict(spec), "step": step}
+    marker = os.path.join(path, "embedded.json")
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            record = json.load(f)
+        if {k: record.get(k) for k in wanted} == wanted:
+            return {"path": path, "accuracy": record["test_accuracy"]}
+    log(f"building the embedded snapshot {name!r}: {step} supervised steps, once...")
+    tokenizer = build_char_tokenizer()
+    train, test = arithmetic_split("train"), arithmetic_split("test")
+    for _, model in supervised_train(spec, train, tokenizer, log, snapshots=(step,)):
+        accuracy = greedy_accuracy(model, test, tokenizer)
+        _save(path, spec, model, {**wanted, "test_accuracy": accuracy})
+    log(f"  {name} (step {step}): test accuracy {accuracy:.1%}")
+    return {"path": path, "accuracy": accuracy}
 
 
 def main() -> None:
