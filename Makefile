@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env demo test test-unit test-vllm test-e2e lint format bench clean
+.PHONY: env demo test test-unit test-vllm test-e2e lint format bench evidence clean
 
 env:
 	@bash scripts/setup_env.sh
@@ -35,6 +35,11 @@ format: env
 bench: env
 	$(PY) benchmarks/bench_core_algos.py
 	$(PY) benchmarks/bench_actor.py
+
+# Learning curves of guided vs plain GRPO over seeds and draft strengths (about 90 minutes on
+# 2 cores; not part of `make test`). Background: nohup make evidence > evidence.log 2>&1 &
+evidence: env
+	$(PY) benchmarks/evidence.py $(EVIDENCE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

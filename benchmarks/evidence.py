@@ -1,0 +1,322 @@
+"""Evidence: does guidance make the draft learn faster than plain GRPO, and which correction works?
+
+Learning curves on the embedded arithmetic task: held-out greedy accuracy of the draft alone
+against training step and against training seconds, for every cell (a method, or a labelled
+diagnosis variant) x draft strength x seed. Each run is `python -m verl.trainer.main` on
+`examples/grpo_guided.yaml` plus the cell's overrides, in its own process. Finished runs are
+kept (`.cache/evidence/runs/`) and skipped when the script runs again, so an interrupted
+evidence run resumes. Every run's metric log is copied to `benchmarks/results/evidence/logs/`,
+and the table (`results.md`, `results.json`) and plots (`*.png`) are made from those logs alone:
+
+    make evidence                                      # the whole plan (about 90 minutes, 2 cores)
+    .venv/bin/python benchmarks/evidence.py --report-only   # table and plots from the logs
+    .venv/bin/python benchmarks/evidence.py --cells grpo,spec_exact --seeds 1 --steps 10
+
+Runs are ordered seed by seed, so a run cut short by `--budget-min` still has every cell at the
+seeds it reached; the report says which cells have fewer seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_CONFIG = ROOT / "examples" / "grpo_guided.yaml"
+RUNS = ROOT / ".cache" / "evidence" / "runs"
+RESULTS = ROOT / "benchmarks" / "results" / "evidence"
+G = "worker.rollout.offpolicy_guidance."
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One training recipe of the comparison."""
+
+    name: str
+    label: str
+    overrides: tuple[str, ...]
+    diagnosis: bool = False
+
+
+SPEC = (f"{G}enable=true", f"{G}mode=speculative", f"{G}lam=0.5", f"{G}lam_schedule=linear",
+        f"{G}lam_end=0.0", f"{G}behavior=exact")  # fmt: skip
+CELLS = (
+    Cell("grpo", "plain GRPO (guidance off)", (f"{G}enable=false",)),
+    Cell("spec_exact", "speculative, exact μ, λ 0.5→0", SPEC),
+    Cell("spec_provenance", "speculative, provenance μ, λ 0.5→0", (*SPEC, f"{G}behavior=provenance")),
+    Cell("spec_luffy", "speculative, exact μ, LUFFY shaping", (*SPEC, "worker.actor.luffy_shaping=true")),
+    Cell("mix", "mix mode (1 of 8 responses from the guidance)",
+         (f"{G}enable=true", f"{G}mode=mix", f"{G}mix_num_samples=1")),
+    Cell("distill", "pure distillation (no reward, λ = 0)",
+         (f"{G}enable=true", f"{G}lam=0.0", f"{G}lam_schedule=constant",
+          "algorithm.adv_estimator=none", "algorithm.distill.coef=1.0")),
+    Cell("spec_distill", "speculative + distillation reward (β = 1)", (*SPEC, "algorithm.distill.coef=1.0")),
+    Cell("spec_no_is", "diagnosis: speculative, no importance weights", (*SPEC, "algorithm.tis_level=none"), True),
+    Cell("spec_clamp10", "diagnosis: speculative, weight clamp 10", (*SPEC, "algorithm.importance_clamp_max=10.0"), True),
+    Cell("spec_const", "diagnosis: speculative, λ 0.5 constant", (*SPEC, f"{G}lam_schedule=constant"), True),
+)  # fmt: skip
+CELL_NAMES = tuple(c.name for c in CELLS)
+DRAFTS = {"weak": 325, "base": 425}
+"""Draft strength -> the supervised step of the embedded run whose weights it is."""
+DIAGNOSTICS = ("guidance/offpolicy_token_ratio", "guidance/guided_grad_share",
+               "guidance/guided_is_weight_mean", "guidance/guided_is_clip_frac",
+               "guidance/guided_score_gap", "guidance/guided_seq_score",
+               "guidance/unguided_seq_score")  # fmt: skip
+
+
+def run_args(cell: Cell, draft: str, guidance: str, seed: int, steps: int, val_freq: int,
+             run_dir: Path, extra: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
+    """The command line of one run."""
+    return [
+        sys.executable, "-m", "verl.trainer.main", f"config={BASE_CONFIG}",
+        f"worker.actor.model.model_path={draft}", f"{G}model_path={guidance}",
+        f"data.seed={seed}", f"worker.rollout.seed={seed}", f"trainer.max_steps={steps}",
+        f"trainer.val_freq={val_freq}", "trainer.val_before_train=true", "trainer.logger=[file]",
+        f"trainer.save_checkpoint_path={run_dir}", "trainer.resume=none", "trainer.save_freq=-1",
+        "worker.actor.calculate_sum_pi_squared=true", *cell.overrides, *extra,
+    ]  # fmt: skip
+
+
+def read_log(path: Path) -> list[dict]:
+    """The rows of an `experiment_log.jsonl`."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def is_complete(rows: list[dict], steps: int) -> bool:
+    """The run reached `steps` and validated there."""
+    return any(r.get("step") == steps and "val/reward_score" in r for r in rows)
+
+
+def curve(rows: list[dict]) -> dict[str, list[float]]:
+    """Validation accuracy by step, training seconds at those steps (sum of step times), and the
+    mean seconds per step."""
+    elapsed, seconds_at, times = 0.0, {0: 0.0}, []
+    for r in sorted(rows, key=lambda r: r["step"]):
+        if "perf/time_per_step" in r:
+            elapsed += r["perf/time_per_step"]
+            times.append(r["perf/time_per_step"])
+            seconds_at[r["step"]] = elapsed
+    val = sorted((r["step"], r["val/reward_score"]) for r in rows if "val/reward_score" in r)
+    return {"step": [s for s, _ in val], "accuracy": [a for _, a in val],
+            "seconds": [seconds_at.get(s, elapsed) for s, _ in val],
+            "s_per_step": [statistics.fmean(times)] if times else []}  # fmt: skip
+
+
+def steps_to(threshold: float, c: dict[str, list[float]]) -> int | None:
+    """First validation step whose accuracy reaches `threshold` (None: never)."""
+    return next((s for s, a in zip(c["step"], c["accuracy"]) if a >= threshold), None)
+
+
+def mean_of(rows: list[dict], key: str) -> float | None:
+    """Mean of a metric over the steps that logged it."""
+    values = [r[key] for r in rows if key in r]
+    return statistics.fmean(values) if values else None
+
+
+def summarize(logs: dict[tuple[str, str, int], list[dict]], steps: int) -> list[dict]:
+    """One row per (draft, cell): final accuracy mean, std and range over seeds, steps to the
+    threshold (halfway from the draft's start to 100 %), seconds per step, diagnostics."""
+    table = []
+    for draft in DRAFTS:
+        for cell in CELLS:
+            runs = [
+                (seed, rows)
+                for (d, c, seed), rows in sorted(logs.items())
+                if (d, c) == (draft, cell.name)
+            ]
+            if not runs:
+                continue
+            curves = [curve(rows) for _, rows in runs]
+            start = statistics.fmean(c["accuracy"][0] for c in curves)
+            threshold = start + 0.5 * (1.0 - start)
+            finals = [c["accuracy"][-1] for c in curves]
+            hits = [steps_to(threshold, c) for c in curves]
+            table.append({
+                "draft": draft, "cell": cell.name, "label": cell.label, "diagnosis": cell.diagnosis,
+                "seeds": [s for s, _ in runs], "start": start, "threshold": threshold,
+                "final_mean": statistics.fmean(finals),
+                "final_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+                "final_min": min(finals), "final_max": max(finals),
+                "steps_to_threshold": hits, "reached": sum(h is not None for h in hits),
+                "s_per_step": statistics.fmean([c["s_per_step"][0] for c in curves if c["s_per_step"]] or [0.0]),
+                "complete": all(is_complete(rows, steps) for _, rows in runs),
+                "diagnostics": {k: mean_of([r for _, rows in runs for r in rows], k) for k in DIAGNOSTICS},
+                "curves": curves,
+            })  # fmt: skip
+    return table
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f}"
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def markdown(table: list[dict], steps: int) -> str:
+    """The results table, then the diagnostics of the guided cells."""
+    lines = [f"Held-out greedy accuracy of the draft alone (500 test sums), {steps} steps; mean ± std "
+             "over seeds [min-max]; steps to threshold = first validation step at or above halfway "
+             "from the draft's start to 100 % (mean over the seeds that reached it; n/N reached).", "",
+             "| draft | cell | seeds | start % | final % | steps to threshold | s/step |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in table:
+        hits = [h for h in r["steps_to_threshold"] if h is not None]
+        reach = (
+            f"{statistics.fmean(hits):.0f} ({r['reached']}/{len(r['seeds'])})"
+            if hits
+            else f"never (0/{len(r['seeds'])})"
+        )
+        final = f"{_pct(r['final_mean'])} ± {_pct(r['final_std'])} [{_pct(r['final_min'])}-{_pct(r['final_max'])}]"
+        lines.append(f"| {r['draft']} | {r['label']} | {len(r['seeds'])} | {_pct(r['start'])} | {final} | {reach} | {r['s_per_step']:.2f} |")  # fmt: skip
+    lines += ["", "Diagnostics (means over steps and seeds; % except the score gap):", "",
+              "| draft | cell | guidance tokens | their grad-energy share | their mean weight | their clipped | reward with - without (same group) |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in table:
+        d = r["diagnostics"]
+        if d["guidance/offpolicy_token_ratio"] is None:
+            continue
+        weight, gap = d["guidance/guided_is_weight_mean"], d["guidance/guided_score_gap"]
+        cells = [r["draft"], r["label"], _pct(d["guidance/offpolicy_token_ratio"]),
+                 _pct(d["guidance/guided_grad_share"]), _num(weight, ".3f"),
+                 _pct(d["guidance/guided_is_clip_frac"]), _num(gap, "+.3f")]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(table: list[dict], out: Path) -> list[Path]:
+    """Per draft: accuracy against step and against training seconds, mean line and min-max band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for draft in DRAFTS:
+        rows = [r for r in table if r["draft"] == draft]
+        if not rows:
+            continue
+        fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+        for r in rows:
+            style = "--" if r["diagnosis"] else "-"
+            for ax, xkey in zip(axes, ("step", "seconds")):
+                xs = [statistics.fmean(vals) for vals in zip(*(c[xkey] for c in r["curves"]))]
+                acc = list(zip(*(c["accuracy"] for c in r["curves"])))
+                mean = [100 * statistics.fmean(a) for a in acc]
+                (line,) = ax.plot(xs, mean, style, label=f"{r['label']} (n={len(r['seeds'])})")
+                ax.fill_between(xs, [100 * min(a) for a in acc], [100 * max(a) for a in acc],
+                                color=line.get_color(), alpha=0.12)  # fmt: skip
+        axes[0].set_xlabel("training step")
+        axes[1].set_xlabel("training seconds (sum of step times, mean over seeds)")
+        axes[0].set_ylabel("held-out greedy accuracy of the draft, %")
+        axes[1].legend(fontsize=7, loc="lower right")
+        fig.suptitle(f"Embedded arithmetic, {draft} draft: mean over seeds, band = min-max")
+        fig.tight_layout()
+        path = out / f"accuracy_{draft}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def load_logs(out: Path) -> dict[tuple[str, str, int], list[dict]]:
+    """Every copied run log: (draft, cell, seed) -> rows."""
+    logs = {}
+    for path in sorted((out / "logs").glob("*/*/seed*.jsonl")):
+        logs[(path.parent.parent.name, path.parent.name, int(path.stem[4:]))] = read_log(path)
+    return logs
+
+
+def report(out: Path, steps: int) -> str:
+    """Writes results.json, results.md and the plots from the copied logs; returns the table."""
+    table = summarize(load_logs(out), steps)
+    (out / "results.json").write_text(json.dumps(table, indent=1))
+    text = markdown(table, steps)
+    (out / "results.md").write_text(text)
+    plot(table, out)
+    return text
+
+
+def run_plan(models: dict[str, str], guidance: str, cells: list[Cell], seeds: int, steps: int,
+             val_freq: int, out: Path, runs: Path, budget_s: float, extra: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
+    """Runs every (seed, draft, cell) not already complete, seed by seed, until the budget is
+    spent; returns the runs left out."""
+    start, skipped = time.perf_counter(), []
+    for seed in range(seeds):
+        for draft, path in models.items():
+            for cell in cells:
+                run_dir = runs / draft / cell.name / f"seed{seed}"
+                log = run_dir / "experiment_log.jsonl"
+                dest = out / "logs" / draft / cell.name / f"seed{seed}.jsonl"
+                if log.exists() and is_complete(read_log(log), steps):
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(log, dest)
+                    continue
+                if time.perf_counter() - start > budget_s:
+                    skipped.append(f"{draft}/{cell.name}/seed{seed}")
+                    continue
+                shutil.rmtree(run_dir, ignore_errors=True)
+                run_dir.mkdir(parents=True)
+                args = run_args(cell, path, guidance, seed, steps, val_freq, run_dir, extra)
+                t0 = time.perf_counter()
+                with open(run_dir / "stdout.txt", "w") as f:
+                    rc = subprocess.run(
+                        args, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT
+                    ).returncode
+                ok = rc == 0 and log.exists() and is_complete(read_log(log), steps)
+                print(f"{draft}/{cell.name}/seed{seed}: {'ok' if ok else f'FAILED (rc {rc})'} "
+                      f"in {time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
+                if not ok:
+                    raise SystemExit(f"error: run {run_dir} failed; see {run_dir / 'stdout.txt'}")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(log, dest)
+    return skipped
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--cells", default=",".join(CELL_NAMES), help=f"of: {', '.join(CELL_NAMES)}"
+    )
+    parser.add_argument("--drafts", default=",".join(DRAFTS), help=f"of: {', '.join(DRAFTS)}")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--val-freq", type=int, default=5)
+    parser.add_argument("--budget-min", type=float, default=90.0, help="start no run after this")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--runs", type=Path, default=RUNS)
+    parser.add_argument("--report-only", action="store_true", help="table and plots from the logs")
+    parser.add_argument("--set", nargs="*", default=[], help="key=value added to every run")
+    args = parser.parse_args(argv)
+    cells = [c for c in CELLS if c.name in args.cells.split(",")]
+    unknown = set(args.cells.split(",")) - set(CELL_NAMES)
+    bad_drafts = set(args.drafts.split(",")) - set(DRAFTS)
+    if unknown or bad_drafts:
+        parser.error(f"--cells {sorted(unknown)} / --drafts {sorted(bad_drafts)} not valid; "
+                     f"valid cells: {', '.join(CELL_NAMES)}; drafts: {', '.join(DRAFTS)}")  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
+        from verl.utils.embedded import PAIR, build_embedded, build_snapshot
+
+        pair = build_embedded()
+        models = {d: pair["draft"] if s == PAIR.draft_steps else str(build_snapshot(f"draft_step{s}", s)["path"])
+                  for d, s in DRAFTS.items() if d in args.drafts.split(",")}  # fmt: skip
+        skipped = run_plan(models, pair["guidance"], cells, args.seeds, args.steps, args.val_freq,
+                           args.out, args.runs, 60 * args.budget_min, tuple(args.set))  # fmt: skip
+        if skipped:
+            print(f"budget spent; not run: {', '.join(skipped)}")
+    print(report(args.out, args.steps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The evidence script's bookkeeping: curves, thresholds and the table, on hand-made logs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("evidence", ROOT / "benchmarks" / "evidence.py")
+E = importlib.util.module_from_spec(spec)
+sys.modules["evidence"] = E  # dataclasses look their module up
+spec.loader.exec_module(E)
+
+
+def log(accs: dict[int, float], step_s: float, extra: dict | None = None) -> list[dict]:
+    """An experiment log: validation at the steps of `accs`, every step taking `step_s` seconds."""
+    rows = [{"step": 0, "val/reward_score": accs[0]}]
+    for step in range(1, max(accs) + 1):
+        row = {"step": step, "perf/time_per_step": step_s, **(extra or {})}
+        if step in accs:
+            row["val/reward_score"] = accs[step]
+        rows.append(row)
+    return rows
+
+
+def test_curve_and_threshold_by_hand():
+    c = E.curve(log({0: 0.2, 2: 0.5, 4: 0.7}, step_s=1.5))
+    assert c["step"] == [0, 2, 4] and c["accuracy"] == [0.2, 0.5, 0.7]
+    assert c["seconds"] == [0.0, 3.0, 6.0]  # 2 and 4 steps of 1.5 s
+    assert c["s_per_step"] == [1.5]
+    # halfway from 0.2 to 1 is 0.6: first reached at step 4
+    assert E.steps_to(0.6, c) == 4 and E.steps_to(0.8, c) is None
+    assert E.is_complete(log({0: 0.2, 4: 0.7}, 1.0), 4)
+    assert not E.is_complete(log({0: 0.2, 4: 0.7}, 1.0), 5)
+
+
+def test_summary_over_seeds_by_hand():
+    diag = {"guidance/offpolicy_token_ratio": 0.1, "guidance/guided_score_gap": 0.5}
+    logs = {
+        ("weak", "grpo", 0): log({0: 0.2, 2: 0.4, 4: 0.5}, 2.0),
+        ("weak", "grpo", 1): log({0: 0.2, 2: 0.62, 4: 0.7}, 4.0),
+        ("weak", "spec_exact", 0): log({0: 0.2, 2: 0.3, 4: 0.4}, 3.0, diag),
+    }
+    table = E.summarize(logs, steps=4)
+    grpo, spec_ = table
+    assert (grpo["cell"], spec_["cell"]) == ("grpo", "spec_exact")  # the CELLS order
+    # finals 0.5, 0.7: mean 0.6, sample std sqrt(((0.1)² + (0.1)²)/1) = 0.1414
+    assert grpo["final_mean"] == pytest.approx(0.6)
+    assert grpo["final_std"] == pytest.approx(0.02**0.5)
+    assert (grpo["final_min"], grpo["final_max"]) == (0.5, 0.7)
+    # threshold = 0.2 + 0.5·0.8 = 0.6: seed 0 never, seed 1 at step 2
+    assert grpo["threshold"] == pytest.approx(0.6)
+    assert grpo["steps_to_threshold"] == [None, 2] and grpo["reached"] == 1
+    assert grpo["s_per_step"] == pytest.approx(3.0)  # mean of 2 and 4
+    assert grpo["diagnostics"]["guidance/offpolicy_token_ratio"] is None
+    assert spec_["diagnostics"]["guidance/guided_score_gap"] == pytest.approx(0.5)
+    text = E.markdown(table, 4)
+    assert (
+        "| weak | plain GRPO (guidance off) | 2 | 20.0 | 60.0 ± 14.1 [50.0-70.0] | 2 (1/2) | 3.00 |"
+        in text
+    )
+    assert "never (0/1)" in text  # spec_exact's 0.4 < 0.6
+    assert "| weak | speculative, exact μ, λ 0.5→0 | 10.0 | — | — | — | +0.500 |" in text
+
+
+def test_report_from_copied_logs_writes_table_and_plots(tmp_path):
+    for seed, acc in enumerate((0.5, 0.7)):
+        path = tmp_path / "logs" / "base" / "grpo" / f"seed{seed}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(json.dumps(r) for r in log({0: 0.3, 2: acc}, 1.0)) + "\n")
+    text = E.report(tmp_path, steps=2)
+    assert "| base | plain GRPO (guidance off) | 2 |" in text
+    assert (tmp_path / "results.md").read_text() == text
+    assert json.loads((tmp_path / "results.json").read_text())[0]["seeds"] == [0, 1]
+    assert (tmp_path / "accuracy_base.png").stat().st_size > 10_000
+
+
+def test_run_args_carry_the_cell_seed_and_models(tmp_path):
+    cell = next(c for c in E.CELLS if c.name == "spec_provenance")
+    args = E.run_args(cell, "/d", "/g", 2, 30, 5, tmp_path, ("data.rollout_batch_size=32",))
+    assert args[1:3] == ["-m", "verl.trainer.main"]
+    for must in ("worker.actor.model.model_path=/d", "worker.rollout.offpolicy_guidance.model_path=/g",
+                 "data.seed=2", "worker.rollout.seed=2", "trainer.max_steps=30",
+                 "worker.rollout.offpolicy_guidance.behavior=provenance", "data.rollout_batch_size=32"):  # fmt: skip
+        assert must in args, must
+    # the cell's own keys come after the shared ones, so provenance overrides SPEC's exact
+    assert args.index("worker.rollout.offpolicy_guidance.behavior=provenance") > args.index(
+        "worker.rollout.offpolicy_guidance.behavior=exact"
+    )
+
+
+def test_every_cell_validates_as_a_config(tmp_path):
+    from verl.trainer.config import load_config
+
+    for cell in E.CELLS:
+        args = E.run_args(cell, "/d", "/g", 0, 30, 5, tmp_path)
+        config = load_config(args[3:])  # parses, merges and validates every key
+        assert config.trainer.max_steps == 30, cell.name
+
+
+def test_bad_cell_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        E.main(["--cells", "grpo,nope", "--report-only"])
+    assert "nope" in capsys.readouterr().err
