@@ -43,6 +43,7 @@ class Cell:
     label: str
     overrides: tuple[str, ...]
     diagnosis: bool = False
+    drafts: tuple[str, ...] = ("weak", "base")
 
 
 SPEC = (f"{G}enable=true", f"{G}mode=speculative", f"{G}lam=0.5", f"{G}lam_schedule=linear",
@@ -58,10 +59,15 @@ CELLS = (
          (f"{G}enable=true", f"{G}lam=0.0", f"{G}lam_schedule=constant",
           "algorithm.adv_estimator=none", "algorithm.distill.coef=1.0")),
     Cell("spec_distill", "speculative + distillation reward (β = 1)", (*SPEC, "algorithm.distill.coef=1.0")),
-    Cell("spec_no_is", "diagnosis: speculative, no importance weights", (*SPEC, "algorithm.tis_level=none"), True),
-    Cell("spec_clamp10", "diagnosis: speculative, weight clamp 10", (*SPEC, "algorithm.importance_clamp_max=10.0"), True),
-    Cell("spec_const", "diagnosis: speculative, λ 0.5 constant", (*SPEC, f"{G}lam_schedule=constant"), True),
+    # Diagnosis (weak draft only): guidance tokens carry the rewards but weights π_old/μ < 1 cut
+    # their share of the update, so: no weights at all, weights floored at 1, and λ kept at 0.5.
+    Cell("spec_no_is", "diagnosis: speculative, no importance weights", (*SPEC, "algorithm.tis_level=none"), True, ("weak",)),
+    Cell("spec_floor1", "diagnosis: speculative, weights floored at 1", (*SPEC, "algorithm.importance_clamp_min=1.0"), True, ("weak",)),
+    Cell("spec_const", "diagnosis: speculative, λ 0.5 constant", (*SPEC, f"{G}lam_schedule=constant"), True, ("weak",)),
 )  # fmt: skip
+COMMON = ("data.rollout_batch_size=32", "worker.actor.global_batch_size=128")
+"""Every run: 32 prompts x 8 responses a step, two updates of 128 (the demo's recipe at half the
+prompts, so that the whole plan fits in 90 minutes on two cores)."""
 CELL_NAMES = tuple(c.name for c in CELLS)
 DRAFTS = {"weak": 325, "base": 425}
 """Draft strength -> the supervised step of the embedded run whose weights it is."""
@@ -80,7 +86,7 @@ def run_args(cell: Cell, draft: str, guidance: str, seed: int, steps: int, val_f
         f"data.seed={seed}", f"worker.rollout.seed={seed}", f"trainer.max_steps={steps}",
         f"trainer.val_freq={val_freq}", "trainer.val_before_train=true", "trainer.logger=[file]",
         f"trainer.save_checkpoint_path={run_dir}", "trainer.resume=none", "trainer.save_freq=-1",
-        "worker.actor.calculate_sum_pi_squared=true", *cell.overrides, *extra,
+        "worker.actor.calculate_sum_pi_squared=true", *COMMON, *cell.overrides, *extra,
     ]  # fmt: skip
 
 
@@ -253,7 +259,7 @@ def run_plan(models: dict[str, str], guidance: str, cells: list[Cell], seeds: in
     start, skipped = time.perf_counter(), []
     for seed in range(seeds):
         for draft, path in models.items():
-            for cell in cells:
+            for cell in (c for c in cells if draft in c.drafts):
                 run_dir = runs / draft / cell.name / f"seed{seed}"
                 log = run_dir / "experiment_log.jsonl"
                 dest = out / "logs" / draft / cell.name / f"seed{seed}.jsonl"
@@ -289,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--drafts", default=",".join(DRAFTS), help=f"of: {', '.join(DRAFTS)}")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--val-freq", type=int, default=5)
     parser.add_argument("--budget-min", type=float, default=90.0, help="start no run after this")
     parser.add_argument("--out", type=Path, default=RESULTS)
