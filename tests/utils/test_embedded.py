@@ -84,3 +84,15 @@ def test_snapshot_is_the_pair_runs_model_at_that_step_and_is_cached(tmp_path):
     logs.clear()
     assert build_snapshot("early", 2, str(tmp_path / "pair"), spec, log=logs.append) == snap
     assert not logs  # reused, not rebuilt
+
+
+def test_three_digit_task_splits_are_disjoint_fixed_and_longer():
+    test = load_embedded("embedded://arithmetic3@test")
+    train = load_embedded("embedded://arithmetic3@train")
+    assert len(test) == 500 and len(train) == 40_000
+    assert not {r["prompt"] for r in test} & {r["prompt"] for r in train}
+    assert test == arithmetic_split("test", digits=3)  # drawn once, the same every call
+    a, b = map(int, test[0]["prompt"][:-1].split("+"))
+    assert test[0]["answer"] == str(a + b)[::-1]
+    assert max(len(r["answer"]) for r in train) == 4  # up to 999 + 999 = 1998
+    assert max(len(r["prompt"]) for r in train) == 8

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from verl.trainer.config import ConfigError, PPOConfig, load_config
 from verl.utils.dataset import PromptEncoder, RLDataset
-from verl.utils.embedded import CACHE_DIR, build_embedded
+from verl.utils.embedded import CACHE_DIR, TASKS, build_embedded, task_dir
 
 
 @dataclass
@@ -44,8 +44,11 @@ def _build_embedded_if_needed(config: PPOConfig) -> None:
     missing = [
         p for p in paths if p and not os.path.isdir(p) and os.path.abspath(p).startswith(cache)
     ]
-    if missing:
-        build_embedded(CACHE_DIR)
+    for task in TASKS:  # a task's models are the draft/guidance folders of task_dir(task)
+        if any(
+            os.path.dirname(os.path.abspath(p)) == os.path.abspath(task_dir(task)) for p in missing
+        ):
+            build_embedded(task=task)
 
 
 def prepare(config: PPOConfig) -> Prepared:

@@ -7,7 +7,7 @@ for a few hundred steps: the guidance long enough to be good at the task, the dr
 it knows the answer format but is often wrong. DESIGN.md §6: with reversed digits a 4-layer
 width-256 model passes ~86 % after 500 steps on two cores; in the usual order it stays near 6 %.
 
-    python -m verl.utils.embedded [--out .cache/embedded]   # builds once; later calls reuse it
+    python -m verl.utils.embedded [--task arithmetic3]   # builds once; later calls reuse it
 """
 
 from __future__ import annotations
@@ -25,9 +25,13 @@ import torch
 from verl.utils.tiny_lm import TinyLMSpec, build_char_tokenizer, build_tiny_qwen2, save_tiny_lm
 
 EMBEDDED_SCHEME = "embedded://"
-TASKS = ("arithmetic",)
+TASK_DIGITS = {"arithmetic": 2, "arithmetic3": 3}
+"""Embedded tasks: reversed-digit addition of numbers with this many digits at most."""
+TASKS = tuple(TASK_DIGITS)
 CACHE_DIR = os.environ.get("VERL_EMBEDDED_CACHE", ".cache/embedded")
 TEST_SIZE = 500
+TRAIN_SIZE_3 = 40_000
+"""Training pairs of `arithmetic3` (of its 10^6), drawn once with the split's seed."""
 
 
 def arithmetic_answer(a: int, b: int) -> str:
@@ -35,15 +39,22 @@ def arithmetic_answer(a: int, b: int) -> str:
     return str(a + b)[::-1]
 
 
-def arithmetic_split(split: str, seed: int = 0) -> list[dict[str, str]]:
-    """All 2-digit pairs a, b in [0, 99], shuffled once; the first 500 are `test`, the rest `train`.
+def arithmetic_split(split: str, seed: int = 0, digits: int = 2) -> list[dict[str, str]]:
+    """Pairs a, b of at most `digits` digits; the first 500 are `test`, the rest `train`.
 
-    Rows: {"prompt": "a+b=", "answer": reversed digits of a+b}.
+    2 digits: all 10^4 pairs, shuffled once. 3 digits (the harder task, answers of up to four
+    digits): 500 + `TRAIN_SIZE_3` distinct pairs of the 10^6, drawn once. Rows:
+    {"prompt": "a+b=", "answer": reversed digits of a+b}.
     """
     if split not in ("train", "test"):
         raise ValueError(f"embedded arithmetic split {split!r} is not valid; valid: train, test")
-    pairs = [(a, b) for a in range(100) for b in range(100)]
-    random.Random(seed).shuffle(pairs)
+    top = 10**digits
+    if digits == 2:
+        pairs = [(a, b) for a in range(top) for b in range(top)]
+        random.Random(seed).shuffle(pairs)
+    else:
+        codes = random.Random(seed).sample(range(top * top), TEST_SIZE + TRAIN_SIZE_3)
+        pairs = [divmod(code, top) for code in codes]
     chosen = pairs[:TEST_SIZE] if split == "test" else pairs[TEST_SIZE:]
     return [{"prompt": f"{a}+{b}=", "answer": arithmetic_answer(a, b)} for a, b in chosen]
 
@@ -56,7 +67,7 @@ def load_embedded(spec: str) -> list[dict[str, str]]:
         raise ValueError(
             f"embedded task {task!r} in {spec!r} is not valid; valid: {', '.join(TASKS)}"
         )
-    return arithmetic_split(split or "train")
+    return arithmetic_split(split or "train", digits=TASK_DIGITS[task])
 
 
 @dataclass
@@ -77,6 +88,10 @@ class SFTSpec:
 
 PAIR = SFTSpec(TinyLMSpec(hidden_size=256, num_hidden_layers=4, vocab_size=128, seed=12),
                draft_steps=425, guidance_steps=525)  # fmt: skip
+PAIR3 = SFTSpec(TinyLMSpec(hidden_size=256, num_hidden_layers=4, vocab_size=128, seed=12),
+                draft_steps=600, guidance_steps=1200)  # fmt: skip
+"""The harder task's pair (3-digit sums, answers of up to four digits): provisional steps."""
+PAIRS = {"arithmetic": PAIR, "arithmetic3": PAIR3}
 
 
 def _encode(rows: list[dict[str, str]], tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,33 +165,44 @@ def _save(path: str, spec: SFTSpec, model, record: dict) -> None:
     os.rename(tmp, path)
 
 
-def build_embedded(out: str = CACHE_DIR, spec: SFTSpec = PAIR, log=print) -> dict[str, str]:
-    """Build (once) the draft and guidance models under `out`; returns their paths and accuracies.
+def task_dir(task: str, out: str = CACHE_DIR) -> str:
+    """Cache folder of a task's models: `out` for arithmetic, `out/<task>` for the others."""
+    return out if task == "arithmetic" else os.path.join(out, task)
 
-    Both folders are reused when their `embedded.json` records the same spec.
-    """
+
+def _cached(path: str, wanted: dict) -> dict | None:
+    """The `embedded.json` record of `path` when it matches `wanted` (no task recorded: arithmetic)."""
+    marker = os.path.join(path, "embedded.json")
+    if not os.path.isfile(marker):
+        return None
+    with open(marker) as f:
+        record = {"task": "arithmetic", **json.load(f)}
+    return record if all(record.get(k) == v for k, v in wanted.items()) else None
+
+
+def build_embedded(
+    out: str | None = None, spec: SFTSpec | None = None, log=print, task: str = "arithmetic"
+) -> dict[str, str]:
+    """Build (once) a task's draft and guidance models under `out` (default `task_dir(task)`);
+    returns their paths and accuracies. Both are reused when their records match the spec."""
+    out, spec = out or task_dir(task), spec or PAIRS[task]
     paths = {name: os.path.join(out, name) for name in ("draft", "guidance")}
-    wanted = asdict(spec)
-    records = {}
-    for name, path in paths.items():
-        marker = os.path.join(path, "embedded.json")
-        if os.path.isfile(marker):
-            with open(marker) as f:
-                records[name] = json.load(f)
-    if all(records.get(n, {}).get("spec") == wanted for n in paths):
+    wanted = {"spec": asdict(spec), "task": task}
+    records = {name: _cached(path, wanted) for name, path in paths.items()}
+    if all(records.values()):
         return {**paths, **{f"{n}_accuracy": records[n]["test_accuracy"] for n in paths}}
     os.makedirs(out, exist_ok=True)
-    log(
-        f"building the embedded models: {spec.guidance_steps} supervised steps, once (a few minutes on 2 cores)..."
-    )
+    log(f"building the embedded {task} models: {spec.guidance_steps} supervised steps, once "
+        "(a few minutes on 2 cores)...")  # fmt: skip
     start = time.perf_counter()
     tokenizer = build_char_tokenizer()
-    train, test = arithmetic_split("train"), arithmetic_split("test")
+    digits = TASK_DIGITS[task]
+    train, test = arithmetic_split("train", digits=digits), arithmetic_split("test", digits=digits)
     result = dict(paths)
     for step, model in supervised_train(spec, train, tokenizer, log):
         name = "draft" if step == spec.draft_steps else "guidance"
         accuracy = greedy_accuracy(model, test, tokenizer)
-        _save(paths[name], spec, model, {"spec": wanted, "step": step, "test_accuracy": accuracy})
+        _save(paths[name], spec, model, {**wanted, "step": step, "test_accuracy": accuracy})
         result[f"{name}_accuracy"] = accuracy
         log(
             f"  {name} (step {step}): test accuracy {accuracy:.1%} ({time.perf_counter() - start:.0f} s)"
@@ -185,21 +211,21 @@ def build_embedded(out: str = CACHE_DIR, spec: SFTSpec = PAIR, log=print) -> dic
 
 
 def build_snapshot(
-    name: str, step: int, out: str = CACHE_DIR, spec: SFTSpec = PAIR, log=print
-) -> dict[str, str | float]:
-    """Build (once) the model of `spec`'s supervised run at `step` as `out/name` (e.g. a weaker
-    draft than the pair's); returns its path and greedy test accuracy."""
+    name: str, step: int, out: str | None = None, spec: SFTSpec | None = None, log=print,
+    task: str = "arithmetic",
+) -> dict[str, str | float]:  # fmt: skip
+    """Build (once) the model of the task's supervised run at `step` as `out/name` (e.g. a
+    weaker draft than the pair's); returns its path and greedy test accuracy."""
+    out, spec = out or task_dir(task), spec or PAIRS[task]
     path = os.path.join(out, name)
-    wanted = {"spec": asdict(spec), "step": step}
-    marker = os.path.join(path, "embedded.json")
-    if os.path.isfile(marker):
-        with open(marker) as f:
-            record = json.load(f)
-        if {k: record.get(k) for k in wanted} == wanted:
-            return {"path": path, "accuracy": record["test_accuracy"]}
+    wanted = {"spec": asdict(spec), "task": task, "step": step}
+    record = _cached(path, wanted)
+    if record:
+        return {"path": path, "accuracy": record["test_accuracy"]}
     log(f"building the embedded snapshot {name!r}: {step} supervised steps, once...")
     tokenizer = build_char_tokenizer()
-    train, test = arithmetic_split("train"), arithmetic_split("test")
+    digits = TASK_DIGITS[task]
+    train, test = arithmetic_split("train", digits=digits), arithmetic_split("test", digits=digits)
     for _, model in supervised_train(spec, train, tokenizer, log, snapshots=(step,)):
         accuracy = greedy_accuracy(model, test, tokenizer)
         _save(path, spec, model, {**wanted, "test_accuracy": accuracy})
@@ -209,10 +235,11 @@ def build_snapshot(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=CACHE_DIR)
+    parser.add_argument("--task", default="arithmetic", choices=TASKS)
+    parser.add_argument("--out", default=None, help="default: .cache/embedded[/<task>]")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    print(json.dumps(build_embedded(args.out), indent=1))
+    print(json.dumps(build_embedded(args.out, task=args.task), indent=1))
 
 
 if __name__ == "__main__":
