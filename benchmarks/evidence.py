@@ -8,7 +8,8 @@ kept (`.cache/evidence/runs/`) and skipped when the script runs again, so an int
 evidence run resumes. Every run's metric log is copied to `benchmarks/results/evidence/logs/`,
 and the table (`results.md`, `results.json`) and plots (`*.png`) are made from those logs alone:
 
-    make evidence                                      # the whole plan (about 90 minutes, 2 cores)
+    make evidence                                      # the whole plan and the TRL side-by-side
+                                                       # (about 90 minutes on 2 cores)
     .venv/bin/python benchmarks/evidence.py --report-only   # table and plots from the logs
     .venv/bin/python benchmarks/evidence.py --cells grpo,spec_exact --seeds 1 --steps 10
 
@@ -69,6 +70,8 @@ COMMON = ("data.rollout_batch_size=32", "worker.actor.global_batch_size=128")
 """Every run: 32 prompts x 8 responses a step, two updates of 128 (the demo's recipe at half the
 prompts, so that the whole plan fits in 90 minutes on two cores)."""
 CELL_NAMES = tuple(c.name for c in CELLS)
+TRL_RESERVE_S = 360.0
+"""Seconds of the budget kept for the TRL side-by-side at its default 10 steps (install included)."""
 DRAFTS = {"weak": 325, "base": 425}
 """Draft strength -> the supervised step of the embedded run whose weights it is."""
 DIAGNOSTICS = ("guidance/offpolicy_token_ratio", "guidance/guided_grad_share",
@@ -302,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=Path, default=RUNS)
     parser.add_argument("--report-only", action="store_true", help="table and plots from the logs")
     parser.add_argument("--set", nargs="*", default=[], help="key=value added to every run")
+    parser.add_argument("--trl-steps", type=int, default=10, help="TRL side-by-side (0: skip)")
     args = parser.parse_args(argv)
     cells = [c for c in CELLS if c.name in args.cells.split(",")]
     unknown = set(args.cells.split(",")) - set(CELL_NAMES)
@@ -316,10 +320,15 @@ def main(argv: list[str] | None = None) -> int:
         pair = build_embedded()
         models = {d: pair["draft"] if s == PAIR.draft_steps else str(build_snapshot(f"draft_step{s}", s)["path"])
                   for d, s in DRAFTS.items() if d in args.drafts.split(",")}  # fmt: skip
+        reserve = TRL_RESERVE_S if args.trl_steps else 0.0
         skipped = run_plan(models, pair["guidance"], cells, args.seeds, args.steps, args.val_freq,
-                           args.out, args.runs, 60 * args.budget_min, tuple(args.set))  # fmt: skip
+                           args.out, args.runs, 60 * args.budget_min - reserve, tuple(args.set))  # fmt: skip
         if skipped:
             print(f"budget spent; not run: {', '.join(skipped)}")
+        if args.trl_steps:  # TRL's GRPOTrainer beside our plain GRPO, in this same run
+            script = ROOT / "benchmarks" / "trl_side_by_side.py"
+            subprocess.run([sys.executable, str(script), "--steps", str(args.trl_steps),
+                            "--out", str(args.out.parent)], cwd=ROOT, check=True)  # fmt: skip
     print(report(args.out, args.steps))
     return 0
 
