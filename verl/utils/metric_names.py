@@ -94,16 +94,15 @@ PERF_TOTAL_NUM_TOKENS = "perf/total_num_tokens"
 PERF_TIME_PER_STEP = "perf/time_per_step"
 PERF_THROUGHPUT = "perf/throughput"
 
-# timing_s/*: wall seconds of each stage of a step, in the order the trainer runs them.
-TIMING_STAGES = (
-    "gen", "old_log_prob", "ref", "reward", "off_policy", "adv", "update_actor", "sync_weights",
-)  # fmt: skip
-TIMING_GEN, TIMING_OLD_LOG_PROB, TIMING_REF, TIMING_REWARD = (
-    f"timing_s/{s}" for s in TIMING_STAGES[:4]
-)
-TIMING_OFF_POLICY, TIMING_ADV, TIMING_UPDATE_ACTOR, TIMING_SYNC_WEIGHTS = (
-    f"timing_s/{s}" for s in TIMING_STAGES[4:]
-)
+# timing_s/*: wall seconds of each stage of a step (`verl.trainer.metrics.timed`).
+TIMING_GEN = "timing_s/gen"
+TIMING_OLD_LOG_PROB = "timing_s/old_log_prob"
+TIMING_REF = "timing_s/ref"
+TIMING_REWARD = "timing_s/reward"
+TIMING_OFF_POLICY = "timing_s/off_policy"
+TIMING_ADV = "timing_s/adv"
+TIMING_UPDATE_ACTOR = "timing_s/update_actor"
+TIMING_SYNC_WEIGHTS = "timing_s/sync_weights"
 
 # val/*: the draft alone on the validation set (greedy unless val_override_config says otherwise).
 VAL_REWARD_SCORE = "val/reward_score"
