@@ -70,10 +70,20 @@ COMMON = ("data.rollout_batch_size=32", "worker.actor.global_batch_size=128")
 """Every run: 32 prompts x 8 responses a step, two updates of 128 (the demo's recipe at half the
 prompts, so that the whole plan fits in 90 minutes on two cores)."""
 CELL_NAMES = tuple(c.name for c in CELLS)
+THRESHOLD_GAIN = 0.20
+"""Steps to threshold: the first validation step 20 accuracy points above the draft's start."""
 TRL_RESERVE_S = 360.0
 """Seconds of the budget kept for the TRL side-by-side at its default 10 steps (install included)."""
-DRAFTS = {"weak": 325, "base": 425}
-"""Draft strength -> the supervised step of the embedded run whose weights it is."""
+TASK_DRAFTS = {"arithmetic": {"weak": 325, "base": 425}, "arithmetic3": {"weak": 600, "base": 800}}
+"""Task -> draft strength -> the supervised step of the task's embedded run whose weights it is."""
+DRAFTS = tuple(TASK_DRAFTS["arithmetic"])
+TASK_SET = {
+    "arithmetic": (),
+    "arithmetic3": ("data.train_files=embedded://arithmetic3@train",
+                    "data.val_files=embedded://arithmetic3@test",
+                    "data.max_prompt_length=10", "data.max_response_length=6"),
+}  # fmt: skip
+"""Task -> the keys every run of it adds (data and lengths; the base config is arithmetic's)."""
 DIAGNOSTICS = ("guidance/offpolicy_token_ratio", "guidance/guided_grad_share",
                "guidance/guided_is_weight_mean", "guidance/guided_is_clip_frac",
                "guidance/guided_score_gap", "guidance/guided_seq_score",
@@ -132,7 +142,7 @@ def mean_of(rows: list[dict], key: str) -> float | None:
 
 def summarize(logs: dict[tuple[str, str, int], list[dict]], steps: int) -> list[dict]:
     """One row per (draft, cell): final accuracy mean, std and range over seeds, steps to the
-    threshold (halfway from the draft's start to 100 %), seconds per step, diagnostics."""
+    threshold (the draft's start + `THRESHOLD_GAIN`), seconds per step, diagnostics."""
     table = []
     for draft in DRAFTS:
         for cell in CELLS:
@@ -145,7 +155,7 @@ def summarize(logs: dict[tuple[str, str, int], list[dict]], steps: int) -> list[
                 continue
             curves = [curve(rows) for _, rows in runs]
             start = statistics.fmean(c["accuracy"][0] for c in curves)
-            threshold = start + 0.5 * (1.0 - start)
+            threshold = start + THRESHOLD_GAIN
             finals = [c["accuracy"][-1] for c in curves]
             hits = [steps_to(threshold, c) for c in curves]
             table.append({
@@ -174,8 +184,8 @@ def _num(x: float | None, fmt: str) -> str:
 def markdown(table: list[dict], steps: int) -> str:
     """The results table, then the diagnostics of the guided cells."""
     lines = [f"Held-out greedy accuracy of the draft alone (500 test sums), {steps} steps; mean ± std "
-             "over seeds [min-max]; steps to threshold = first validation step at or above halfway "
-             "from the draft's start to 100 % (mean over the seeds that reached it; n/N reached).", "",
+             f"over seeds [min-max]; steps to threshold = first validation step at least {100 * THRESHOLD_GAIN:.0f} "
+             "points above the draft's start (mean over the seeds that reached it; n/N reached).", "",
              "| draft | cell | seeds | start % | final % | steps to threshold | s/step |",
              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in table:
@@ -187,7 +197,10 @@ def markdown(table: list[dict], steps: int) -> str:
         )
         final = f"{_pct(r['final_mean'])} ± {_pct(r['final_std'])} [{_pct(r['final_min'])}-{_pct(r['final_max'])}]"
         lines.append(f"| {r['draft']} | {r['label']} | {len(r['seeds'])} | {_pct(r['start'])} | {final} | {reach} | {r['s_per_step']:.2f} |")  # fmt: skip
-    lines += ["", "Diagnostics (means over steps and seeds; % except the score gap):", "",
+    lines += ["", "Diagnostics (means over steps and seeds; % except the weight and the score gap). The "
+              "grad-energy share weighs each token by its PPO importance weight w: under LUFFY shaping "
+              "the guidance tokens' loss is -A·π/(π+γ) without w, so that cell's share is not its "
+              "actual gradient.", "",
               "| draft | cell | guidance tokens | their grad-energy share | their mean weight | their clipped | reward with - without (same group) |",
               "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in table:
@@ -291,6 +304,21 @@ def run_plan(models: dict[str, str], guidance: str, cells: list[Cell], seeds: in
     return skipped
 
 
+def build_models(task: str, drafts: list[str]) -> tuple[dict[str, str], str]:
+    """The task's drafts (draft name -> path; snapshots built once) and its guidance path."""
+    from verl.utils.embedded import PAIRS, build_embedded, build_snapshot
+
+    pair = build_embedded(task=task)
+    models = {}
+    for draft in drafts:
+        step = TASK_DRAFTS[task][draft]
+        if step == PAIRS[task].draft_steps:
+            models[draft] = pair["draft"]
+        else:
+            models[draft] = str(build_snapshot(f"draft_step{step}", step, task=task)["path"])
+    return models, pair["guidance"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -301,8 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--val-freq", type=int, default=5)
     parser.add_argument("--budget-min", type=float, default=90.0, help="start no run after this")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--runs", type=Path, default=RUNS)
+    parser.add_argument("--task", default="arithmetic", choices=tuple(TASK_DRAFTS))
+    parser.add_argument("--out", type=Path, default=None, help="default: results/evidence[_task]")
+    parser.add_argument(
+        "--runs", type=Path, default=None, help="default: .cache/evidence/runs[/task]"
+    )
     parser.add_argument("--report-only", action="store_true", help="table and plots from the logs")
     parser.add_argument("--set", nargs="*", default=[], help="key=value added to every run")
     parser.add_argument("--trl-steps", type=int, default=10, help="TRL side-by-side (0: skip)")
@@ -313,16 +344,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or bad_drafts:
         parser.error(f"--cells {sorted(unknown)} / --drafts {sorted(bad_drafts)} not valid; "
                      f"valid cells: {', '.join(CELL_NAMES)}; drafts: {', '.join(DRAFTS)}")  # fmt: skip
+    default = args.task == "arithmetic"
+    args.out = args.out or (RESULTS if default else RESULTS.parent / f"evidence_{args.task}")
+    args.runs = args.runs or (RUNS if default else RUNS / args.task)
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
-        from verl.utils.embedded import PAIR, build_embedded, build_snapshot
-
-        pair = build_embedded()
-        models = {d: pair["draft"] if s == PAIR.draft_steps else str(build_snapshot(f"draft_step{s}", s)["path"])
-                  for d, s in DRAFTS.items() if d in args.drafts.split(",")}  # fmt: skip
+        models, guidance = build_models(args.task, args.drafts.split(","))
         reserve = TRL_RESERVE_S if args.trl_steps else 0.0
-        skipped = run_plan(models, pair["guidance"], cells, args.seeds, args.steps, args.val_freq,
-                           args.out, args.runs, 60 * args.budget_min - reserve, tuple(args.set))  # fmt: skip
+        skipped = run_plan(models, guidance, cells, args.seeds, args.steps, args.val_freq, args.out,
+                           args.runs, 60 * args.budget_min - reserve,
+                           (*TASK_SET[args.task], *args.set))  # fmt: skip
         if skipped:
             print(f"budget spent; not run: {', '.join(skipped)}")
         if args.trl_steps:  # TRL's GRPOTrainer beside our plain GRPO, in this same run

@@ -41,9 +41,9 @@ def test_curve_and_threshold_by_hand():
 def test_summary_over_seeds_by_hand():
     diag = {"guidance/offpolicy_token_ratio": 0.1, "guidance/guided_score_gap": 0.5}
     logs = {
-        ("weak", "grpo", 0): log({0: 0.2, 2: 0.4, 4: 0.5}, 2.0),
+        ("weak", "grpo", 0): log({0: 0.2, 2: 0.35, 4: 0.5}, 2.0),
         ("weak", "grpo", 1): log({0: 0.2, 2: 0.62, 4: 0.7}, 4.0),
-        ("weak", "spec_exact", 0): log({0: 0.2, 2: 0.3, 4: 0.4}, 3.0, diag),
+        ("weak", "spec_exact", 0): log({0: 0.2, 2: 0.3, 4: 0.38}, 3.0, diag),
     }
     table = E.summarize(logs, steps=4)
     grpo, spec_ = table
@@ -52,18 +52,18 @@ def test_summary_over_seeds_by_hand():
     assert grpo["final_mean"] == pytest.approx(0.6)
     assert grpo["final_std"] == pytest.approx(0.02**0.5)
     assert (grpo["final_min"], grpo["final_max"]) == (0.5, 0.7)
-    # threshold = 0.2 + 0.5·0.8 = 0.6: seed 0 never, seed 1 at step 2
-    assert grpo["threshold"] == pytest.approx(0.6)
-    assert grpo["steps_to_threshold"] == [None, 2] and grpo["reached"] == 1
+    # threshold = 0.2 + 0.2 = 0.4: seed 0 at step 4 (0.35 < 0.4 at step 2), seed 1 at step 2
+    assert grpo["threshold"] == pytest.approx(0.4)
+    assert grpo["steps_to_threshold"] == [4, 2] and grpo["reached"] == 2
     assert grpo["s_per_step"] == pytest.approx(3.0)  # mean of 2 and 4
     assert grpo["diagnostics"]["guidance/offpolicy_token_ratio"] is None
     assert spec_["diagnostics"]["guidance/guided_score_gap"] == pytest.approx(0.5)
     text = E.markdown(table, 4)
     assert (
-        "| weak | plain GRPO (guidance off) | 2 | 20.0 | 60.0 ± 14.1 [50.0-70.0] | 2 (1/2) | 3.00 |"
+        "| weak | plain GRPO (guidance off) | 2 | 20.0 | 60.0 ± 14.1 [50.0-70.0] | 3 (2/2) | 3.00 |"
         in text
     )
-    assert "never (0/1)" in text  # spec_exact's 0.4 < 0.6
+    assert "never (0/1)" in text  # spec_exact's best, 0.38, stays below 0.4
     assert "| weak | speculative, exact μ, λ 0.5→0 | 10.0 | — | — | — | +0.500 |" in text
 
 
@@ -97,9 +97,12 @@ def test_every_cell_validates_as_a_config(tmp_path):
     from verl.trainer.config import load_config
 
     for cell in E.CELLS:
-        args = E.run_args(cell, "/d", "/g", 0, 30, 5, tmp_path)
-        config = load_config(args[3:])  # parses, merges and validates every key
-        assert config.trainer.max_steps == 30, cell.name
+        for task, extra in E.TASK_SET.items():
+            args = E.run_args(cell, "/d", "/g", 0, 30, 5, tmp_path, extra)
+            config = load_config(args[3:])  # parses, merges and validates every key
+            assert config.trainer.max_steps == 30, cell.name
+            assert config.data.train_files == f"embedded://{task}@train"
+    assert set(E.TASK_SET) == set(E.TASK_DRAFTS)
 
 
 def test_bad_cell_is_refused_in_one_line(capsys):
