@@ -183,9 +183,8 @@ class RayPPOTrainer:
             metrics.update(compute_distill_metrics(b["old_log_probs"], teacher, b["response_mask"], missing,
                                                    b.get("importance_weights"), distill.estimator, term))  # fmt: skip
         b["advantages"], b["returns"] = advantages, returns
-        if (
-            cfg.worker.rollout.offpolicy_guidance.enable
-        ):  # what the update gets from guidance tokens
+        # what the update gets from the guidance tokens (guidance/guided_*)
+        if cfg.worker.rollout.offpolicy_guidance.enable:
             metrics.update(compute_guidance_diagnostics(
                 b["offpolicy_mask"], b["response_mask"], b["old_log_probs"], b["behavior_log_probs"],
                 advantages, b["token_level_scores"].sum(-1), batch.non_tensor_batch["uid"].tolist(),
