@@ -75,7 +75,8 @@ THRESHOLD_GAIN = 0.20
 TRL_RESERVE_S = 360.0
 """Seconds of the budget kept for the TRL side-by-side at its default 10 steps (install included)."""
 TASK_DRAFTS = {"arithmetic": {"weak": 325, "base": 425}, "arithmetic3": {"weak": 600, "base": 800}}
-"""Task -> draft strength -> the supervised step of the task's embedded run whose weights it is."""
+"""Task -> draft strength -> the supervised step of the task's embedded run whose weights it is
+(arithmetic3: placeholders, its pair is not calibrated yet; see `verl.utils.embedded.PAIR3`)."""
 DRAFTS = tuple(TASK_DRAFTS["arithmetic"])
 TASK_SET = {
     "arithmetic": (),
