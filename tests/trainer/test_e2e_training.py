@@ -239,14 +239,24 @@ def test_ctrl_c_ends_with_one_line_naming_the_step_and_the_checkpoint(assets, tm
     (tmp_path / "run.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
     proc = subprocess.Popen([sys.executable, "-m", "verl.trainer.main", f"config={tmp_path / 'run.yaml'}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    deadline = time.monotonic() + 300
-    while not (run_dir / "global_step_2").is_dir() and time.monotonic() < deadline:
+    start = time.monotonic()
+    while not (run_dir / "global_step_2").is_dir():
         assert proc.poll() is None, proc.stderr.read()[-3000:]
+        if time.monotonic() - start > 300:
+            proc.kill()
+            pytest.fail(
+                f"no second checkpoint within 300 s; run dir holds {sorted(os.listdir(run_dir))}"
+            )
         time.sleep(0.5)
+    waited = time.monotonic() - start
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     last = stderr.strip().splitlines()[-1]
-    assert proc.returncode == 130, stderr[-3000:]
+    log = run_dir / "experiment_log.jsonl"
+    steps = log.read_text().count("\n") if log.exists() else 0
+    assert proc.returncode == 130, (
+        f"exit {proc.returncode}; SIGINT sent {waited:.0f} s after start, {steps} log rows; {stderr[-3000:]}"
+    )
     assert last.startswith("interrupted at step "), stderr[-3000:]
     assert (
         "last complete checkpoint: " in last
