@@ -29,6 +29,7 @@ INSTALL_REQUIRES = [
     "jinja2",
     "matplotlib",
     "pyyaml",
+    "psutil",
 ]
 
 EXTRAS_REQUIRE = {

@@ -194,6 +194,13 @@ class TrainerConfig:
     resume: str = "auto"
     """auto (latest checkpoint if any), none, or a checkpoint path."""
 
+    @property
+    def use_gpu(self) -> bool:
+        """`device` resolved: cuda, or auto on a machine with a GPU."""
+        import torch
+
+        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+
     def validate(self, prefix: str) -> None:
         """Fail fast on bad values."""
         check_range(f"{prefix}.total_epochs", self.total_epochs, 1)
@@ -238,6 +245,11 @@ class PPOConfig:
         actor.distill_estimator = algo.distill.estimator
         actor.distill_topk_forward = algo.distill.topk_forward and algo.distill.coef > 0
         guidance.keep_topk = actor.distill_topk_forward
+        if rollout.num_replicas is None:  # one engine per tensor-parallel group of GPUs; 1 on CPU
+            world = self.trainer.nnodes * self.trainer.n_gpus_per_node
+            rollout.num_replicas = (
+                max(1, world // rollout.tensor_parallel_size) if self.trainer.use_gpu else 1
+            )
         if self.worker.reward.reward_function is None:
             embedded = self.data.train_files.startswith("embedded://arithmetic")
             self.worker.reward.reward_function = "arithmetic" if embedded else "math"

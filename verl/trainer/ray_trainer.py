@@ -5,7 +5,7 @@
     ->  advantages  ->  actor update  ->  weight sync to the draft engine  ->  log, checkpoint
 
 Each stage is timed (`timing_s/<stage>`). Workers: `FSDPWorker` ranks (actor, with the reference
-colocated when a KL term needs it) and one `RolloutWorker` holding the vLLM engines.
+colocated when a KL term needs it) and a `RolloutGroup` of `RolloutWorker` replicas holding the vLLM engines.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from verl.utils.dataset import RLDataset, build_dataloader
 from verl.utils.tracking import Tracking
 from verl.workers.fsdp_workers import FSDPWorker
 from verl.workers.reward.function import FunctionRewardManager
-from verl.workers.rollout.worker import RolloutWorker
+from verl.workers.rollout.worker import RolloutGroup
 from verl.workers.worker_group import RayWorkerGroup, reduce_metrics
 
 STEP_DIR = "global_step_{}"
@@ -64,10 +64,9 @@ class RayPPOTrainer:
         self.total_steps = trainer.max_steps or steps_per_epoch * trainer.total_epochs
         self.run_dir = trainer.save_checkpoint_path
         self.global_step = 0
-        self.use_gpu = trainer.device == "cuda" or (
-            trainer.device == "auto" and torch.cuda.is_available()
-        )
+        self.use_gpu = trainer.use_gpu
         self._warned_single_sample = False
+        self._bucket_plan: list[list[str]] | None = None
         self.seen_indices: list[list[int]] = []  # dataset rows of each step (resume checks)
 
     # ------------------------------------------------------------------ workers
@@ -79,22 +78,28 @@ class RayPPOTrainer:
         self.actor_wg = RayWorkerGroup(FSDPWorker, self.world_size, cfg.worker, role=role,
                                        num_cpus_per_worker=1, num_gpus_per_worker=share)  # fmt: skip
         self.actor_wg.execute_all("init_model")
-        rollout_cls = ray.remote(num_cpus=1, num_gpus=share)(RolloutWorker)
-        self.rollout = rollout_cls.remote(cfg.worker.actor.model.model_path, cfg.worker.rollout)
-        ray.get(self.rollout.__ray_ready__.remote())
+        rollout = cfg.worker.rollout
+        cpus = 1 if self.use_gpu else 1 / rollout.num_replicas  # on CPU the replicas share cores
+        self.rollout = RolloutGroup(rollout.num_replicas, cfg.worker.actor.model.model_path, rollout,
+                                    num_cpus=cpus, num_gpus=share)  # fmt: skip
 
     def shutdown(self) -> None:
         """Stop this trainer's Ray actors (Ray itself keeps running)."""
         self.actor_wg.shutdown()
-        try:  # best effort: the guidance process also exits when the rollout actor dies
-            ray.get(self.rollout.shutdown.remote(), timeout=60)
-        except Exception:  # a dead or stuck actor is killed below either way
-            pass
-        ray.kill(self.rollout)
+        self.rollout.shutdown()
 
     def _sync_weights(self) -> None:
-        state = self.actor_wg.execute_all("full_state_dict")[0]
-        ray.get(self.rollout.sync_weights.remote(state))
+        """The actor's weights to every rollout replica in buckets (`weight_sync_bucket_mb`)."""
+        if self._bucket_plan is None:  # names and shapes never change within a run
+            mb = self.config.worker.rollout.weight_sync_bucket_mb
+            self._bucket_plan = self.actor_wg.execute_all("weight_bucket_plan", mb)[0]
+        self.rollout.sync_weights(self._bucket_plan, self._weight_bucket)
+
+    def _weight_bucket(self, names: list[str]) -> ray.ObjectRef:
+        """One bucket made by the actor ranks (a collective): rank 0's result, never read here."""
+        first, *others = self.actor_wg.submit_all("weight_bucket", names)
+        ray.get(others)  # the other ranks' share of the gather is done (and their errors raised)
+        return first
 
     # ------------------------------------------------------------------ one step
     def _generate(self, batch: DataProto, metrics: dict) -> DataProto:
@@ -104,7 +109,7 @@ class RayPPOTrainer:
         )
         batch.meta_info.update(global_step=self.global_step, total_steps=self.total_steps)
         with timed("gen", metrics):
-            out = ray.get(self.rollout.generate_sequences.remote(batch))
+            out = self.rollout.generate_sequences(batch)
         meta = out.meta_info
         if "accept_rate" in meta:
             metrics[M.GUIDANCE_ACCEPT_RATE] = meta["accept_rate"]
@@ -232,7 +237,7 @@ class RayPPOTrainer:
         for batch in self.val_loader:
             batch.meta_info = {"n": overrides.get("n", 1), "guidance": False, "global_step": self.global_step,
                                "temperature": overrides.get("temperature", self.config.worker.rollout.temperature)}  # fmt: skip
-            out = ray.get(self.rollout.generate_sequences.remote(batch))
+            out = self.rollout.generate_sequences(batch)
             token_scores, parts = self.val_reward.compute(out)
             scores.append(token_scores.sum(-1))
             lengths.append(out.batch["response_mask"].sum(-1))

@@ -109,3 +109,31 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
+
+
+def bucket_plan(model: nn.Module, bucket_bytes: int) -> list[list[str]]:
+    """State-dict names in order, grouped into buckets of at most `bucket_bytes` unsharded bytes
+    (a larger tensor is a bucket of its own). The same on every rank (global shapes)."""
+    plan, current, size = [], [], 0
+    for name, tensor in model.state_dict().items():
+        nbytes = tensor.numel() * tensor.element_size()  # a DTensor's numel is its global one
+        if current and size + nbytes > bucket_bytes:
+            plan.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    return plan + ([current] if current else [])
+
+
+def full_tensors(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """The unsharded CPU tensors of `names`; a collective (every rank calls with the same names)."""
+    from torch.distributed.tensor import DTensor
+
+    state = model.state_dict()
+    out = {}
+    for name in names:
+        tensor = state[name]
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        out[name] = tensor.detach().cpu()
+    return out

@@ -19,12 +19,15 @@ from verl.utils.checkpoint import FSDPCheckpointManager, export_hf
 from verl.utils.fsdp_utils import (
     DTYPES,
     apply_fsdp2,
+    bucket_plan,
     device_type,
     free_port,
     full_state_dict,
+    full_tensors,
     init_distributed,
     load_hf_model,
 )
+from verl.utils.shared_tensors import SharedTensors, to_shared
 from verl.workers.actor.config import OptimConfig
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.config import WorkerConfig
@@ -188,6 +191,16 @@ class FSDPWorker:
         """The unsharded weights (returned by rank 0, None elsewhere); a collective call."""
         state = full_state_dict(self.module)
         return state if self.rank == 0 else None
+
+    def weight_bucket_plan(self, bucket_mb: float) -> list[list[str]]:
+        """Parameter names grouped into weight-sync buckets of at most `bucket_mb` MiB each."""
+        return bucket_plan(self.module, int(bucket_mb * 2**20))
+
+    def weight_bucket(self, names: list[str]) -> SharedTensors | None:
+        """One bucket of unsharded weights as shared arrays (returned by rank 0, None elsewhere,
+        read zero-copy by every replica); a collective call."""
+        bucket = full_tensors(self.module, names)
+        return to_shared(bucket) if self.rank == 0 else None
 
     def environment(self) -> dict[str, Any]:
         """Where this rank runs (for logs and tests)."""

@@ -32,9 +32,13 @@ class RayWorkerGroup:
         addr, port = ray.get(self.workers[0].master_address.remote())
         self.execute_all("init_distributed", addr, port)
 
+    def submit_all(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        """Call `method` on every rank with the same arguments, without waiting: refs in rank order."""
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
     def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` on every rank with the same arguments; results in rank order."""
-        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return ray.get(self.submit_all(method, *args, **kwargs))
 
     def execute_dp(self, method: str, data: DataProto, **kwargs: Any) -> list[Any]:
         """Split `data` evenly across ranks (padding with repeated rows), call `method`; per-rank results."""

@@ -497,3 +497,60 @@ def test_teacher_only_rollout_scores_every_draft_token(guided, models, scoring):
     assert ("guidance_topk_ids" in b.keys()) == (scoring == "prefill")
     cores = len(os.sched_getaffinity(0))  # the prefill path lends every core and gives them back
     assert torch.get_num_threads() == max(1, cores - max(1, cores // 2))
+
+
+SAME_KEYS = ("responses", "response_mask", "input_ids", "attention_mask", "offpolicy_mask")
+CLOSE_KEYS = ("rollout_log_probs", "behavior_log_probs", "guidance_log_probs")
+
+
+def assert_same_sequences(one: DataProto, many: DataProto) -> None:
+    """Tokens and masks identical; log-probs equal up to float rounding of batched kernels."""
+    for key in (*SAME_KEYS, *CLOSE_KEYS):
+        if key not in one.batch.keys():
+            continue
+        if key in SAME_KEYS:
+            assert torch.equal(one.batch[key], many.batch[key]), key
+        else:
+            torch.testing.assert_close(one.batch[key], many.batch[key], rtol=0, atol=1e-5, msg=key)
+    assert list(one.non_tensor_batch["uid"]) == list(many.non_tensor_batch["uid"])
+
+
+PROMPTS = ["1+2=", "33+4=", "5+5=", "12+9=", "7+70="]
+
+
+def _split_like_replicas(rollout, batch: DataProto, parts: int) -> DataProto:
+    """What `RolloutGroup` does with `parts` replicas, on one engine: whole prompts per part,
+    each told its first row in the whole batch."""
+    from verl.workers.rollout.worker import replica_rows
+
+    outs = []
+    for a, b in replica_rows(len(batch), parts):
+        part = batch.index_select(slice(a, b))
+        part.meta_info = {**batch.meta_info, "first_row": a}
+        outs.append(rollout.generate_sequences(part))
+        outs[-1].meta_info = {}
+    return DataProto.concat(outs)
+
+
+@pytest.mark.parametrize("mode", ["speculative", "draft_only", "mix"])
+def test_tokens_do_not_depend_on_how_the_prompts_are_split(guided, models, mode):
+    """Every sequence is seeded by its row in the whole batch, so splitting a step's prompts over
+    replicas (here 1, 2 and 3 parts on one engine) changes no token, mask or log-prob."""
+    rollout, tok = guided
+    meta = {"n": 3, "temperature": 1.0, "global_step": 2}
+    meta.update({"lam": 0.5} if mode == "speculative" else {"guidance": False})
+    engine = rollout
+    if mode == "mix":
+        engine = VLLMRollout(models[0], rollout_config(models[1], mode="mix", mix_num_samples=1),
+                             tok.eos_token_id, tok.pad_token_id)  # fmt: skip
+        meta = {"n": 3, "temperature": 1.0, "global_step": 2}
+    try:
+        whole = engine.generate_sequences(prompt_batch(tok, PROMPTS, **meta))
+        for parts in (2, 3):
+            split = _split_like_replicas(engine, prompt_batch(tok, PROMPTS, **meta), parts)
+            assert_same_sequences(whole, split)
+    finally:
+        if engine is not rollout:
+            engine.shutdown()
+    if mode != "draft_only":
+        assert whole.batch["offpolicy_mask"].any()  # the guidance did write tokens

@@ -105,6 +105,10 @@ class RolloutConfig:
     """Share of GPU memory the draft engine may use."""
     tensor_parallel_size: int = 1
     """Tensor-parallel width of the draft engine."""
+    weight_sync_bucket_mb: float = 256.0
+    """Weight sync streams the actor's weights to the replicas in buckets of at most this many MiB."""
+    num_replicas: int | None = None
+    """Draft engines (Ray actors), a step's prompts split over them by whole groups (None: auto = GPUs / tensor_parallel_size, 1 on CPU)."""
     enforce_eager: bool = False
     """Disable CUDA graphs."""
     enable_prefix_caching: bool = True
@@ -140,6 +144,11 @@ class RolloutConfig:
             f"{prefix}.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True
         )
         check_range(f"{prefix}.tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_range(
+            f"{prefix}.weight_sync_bucket_mb", self.weight_sync_bucket_mb, 0.0, low_open=True
+        )
+        if self.num_replicas is not None:
+            check_range(f"{prefix}.num_replicas", self.num_replicas, 1)
         check_range(f"{prefix}.max_num_seqs", self.max_num_seqs, 1)
         if self.kv_block_size is not None and (self.kv_block_size < 1 or self.kv_block_size % 16):
             fail(

@@ -472,7 +472,7 @@ class SpeculativeBatch:
     `ids` are the engines' names for the prompts (default: their positions); engines may keep
     per-sequence state under them (vLLM sessions). With `bonus`, a round may also hand `apply`
     the draft's lookahead tokens (`BonusRows`): a fully accepted sequence then emits one token
-    more (`draw_bonus`).
+    more (`draw_bonus`). `generator`: one shared, or one per prompt (see `_uniforms`).
     """
 
     def __init__(
@@ -482,7 +482,7 @@ class SpeculativeBatch:
         num_speculative_tokens: int,
         max_new_tokens: int,
         eos_token_id: int | None,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
         ids: list[int] | None = None,
         bonus: bool = False,
     ) -> None:
@@ -527,9 +527,7 @@ class SpeculativeBatch:
         """Verify the round that `next_round()` opened (tensors as in `verify_proposals`, one row
         per active sequence, or both tables as `ListedRows`) and append what it emits, with a
         bonus token after each fully accepted proposal run that `bonus` has a lookahead for."""
-        uniforms = torch.rand(
-            proposals.shape[0], self.k + 1, generator=self.generator, dtype=torch.float64
-        )
+        uniforms = self._uniforms(proposals.shape[0])
         if isinstance(draft_tables, ListedRows) and isinstance(guidance_tables, ListedRows):
             result = verify_listed(num_proposed, draft_tables, guidance_tables, self.lam, uniforms)
         else:
@@ -553,6 +551,15 @@ class SpeculativeBatch:
             if i in extra and not self.seqs[r].finished:
                 self._append(r, *([value] for value in extra[i]))
                 self.stats.bonus += 1
+
+    def _uniforms(self, rows: int) -> torch.Tensor:
+        """(rows, k + 1) uniforms of the open round: from each sequence's own generator when
+        `generator` is a list (a sequence's tokens then do not depend on which batch, wave or
+        replica it runs in), else from the shared one."""
+        if isinstance(self.generator, (list, tuple)):
+            return torch.stack([torch.rand(self.k + 1, generator=self.generator[r], dtype=torch.float64)
+                                for r in self._rows]) if rows else torch.zeros(0, self.k + 1, dtype=torch.float64)  # fmt: skip
+        return torch.rand(rows, self.k + 1, generator=self.generator, dtype=torch.float64)
 
     def _bonus(
         self, result: VerifyResult, num: torch.Tensor, bonus: BonusRows | None, u: np.ndarray

@@ -12,7 +12,7 @@ the draft steps the others' proposals (`speculative.overlapped_generate`).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -130,11 +130,16 @@ class VLLMRollout:
             self.engines.guidance.shutdown()
 
     # ------------------------------------------------------------------ weights
-    def sync_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load new actor weights into the draft engine (in-process path of DESIGN.md §6)."""
+    def sync_weights(
+        self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Load new actor weights into the draft engine (in-process path of DESIGN.md §6), from a
+        state dict or a stream of (name, tensor) pairs consumed once, in order."""
         engine = self.engines.draft.llm_engine.engine_core.engine_core
         runner = engine.model_executor.driver_worker.worker.model_runner
-        runner.reload_weights(weights_iterator=iter(state_dict.items()))
+        runner.reload_weights(
+            weights_iterator=iter(weights.items() if isinstance(weights, dict) else weights)
+        )
         self.engines.draft.reset_prefix_cache()
 
     # ------------------------------------------------------------------ sampling settings
@@ -215,26 +220,23 @@ class VLLMRollout:
                 f"(longest {max(too_long)} tokens); filter them in the dataset (data.filter_overlong_prompts)"
             )
         repeated = [ids for ids in prompt_ids for _ in range(n)]
-        seed = int(meta.get("seed", self.config.seed)) + 7919 * int(meta.get("global_step", 0))
-        rng = np.random.default_rng(seed)
+        step_seed = int(meta.get("seed", self.config.seed)) + 7919 * int(meta.get("global_step", 0))
+        seeds = sequence_seeds(step_seed, int(meta.get("first_row", 0)), len(prompt_ids), n)
         self._counters = _Counters()
         if not guidance.enable or not meta.get(
             "guidance", True
         ):  # e.g. validation: the draft alone
-            seeds = rng.integers(0, 2**31, len(repeated))
-            seqs, stats, lam = self._draft_only(repeated, seeds), None, 0.0
+            seqs, stats, lam = self._draft_only(repeated, seeds[:, 0]), None, 0.0
         else:
             lam = float(meta["lam"]) if "lam" in meta else lam_at_step(
                 int(meta.get("global_step", 0)), int(meta.get("total_steps", 1) or 1),
                 guidance.lam, guidance.lam_end, guidance.lam_schedule)  # fmt: skip
             if guidance.mode == "mix":
-                seqs, stats = self._mix(repeated, n, rng), None
+                seqs, stats = self._mix(repeated, n, seeds[:, 0]), None
             elif lam == 0.0 and guidance.teacher_scoring == "prefill":  # the guidance only scores
-                seqs, stats = self._teacher_only_prefill(repeated, rng), None
+                seqs, stats = self._teacher_only_prefill(repeated, seeds[:, 0]), None
             else:
-                seqs, stats = self._speculative(
-                    repeated, lam, rng, torch.Generator().manual_seed(seed)
-                )
+                seqs, stats = self._speculative(repeated, lam, seeds)
         out = self._to_dataproto(repeated, seqs, lam, guidance)
         out.non_tensor_batch = {
             k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()
@@ -242,7 +244,7 @@ class VLLMRollout:
         out.meta_info.update(self._counters.meta(stats, out, lam))
         return out
 
-    def _speculative(self, prompts: list[list[int]], lam: float, rng: np.random.Generator, gen):
+    def _speculative(self, prompts: list[list[int]], lam: float, seeds: np.ndarray):
         """Speculative guidance in waves of sequences whose sessions fit both KV caches at once
         (a session keeps its KV blocks from its first round to its last). A wave is split into
         `pipeline_groups` groups whose rounds interleave across the two engines."""
@@ -255,15 +257,14 @@ class VLLMRollout:
         seqs, stats = [], RoundStats()
         for start in range(0, len(prompts), wave):
             self._call += 1  # session ids are unique per wave
-            part = prompts[start : start + wave]
-            seeds = rng.integers(0, 2**31, len(part))
+            part, part_seeds = prompts[start : start + wave], seeds[start : start + wave]
+            gens = [torch.Generator().manual_seed(int(s)) for s in part_seeds[:, 1]]
             self._in_flight = 0  # scoring rounds submitted and not yet collected
             groups = np.array_split(np.arange(len(part)), min(guidance.pipeline_groups, len(part)))
             batches = [SpeculativeBatch([part[i] for i in g], lam, guidance.num_speculative_tokens, self._max_tokens, eos,
-                                        torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=gen))),
-                                        ids=g.tolist(), bonus=guidance.bonus_token) for g in groups]  # fmt: skip
+                                        [gens[i] for i in g], ids=g.tolist(), bonus=guidance.bonus_token) for g in groups]  # fmt: skip
             draft = _DraftRounds(self.draft_sessions, f"d{self._call}-",
-                                 lambda i, m, seeds=seeds: self._draft_params(m, self.num_logprobs, int(seeds[i])))  # fmt: skip
+                                 lambda i, m, s=part_seeds[:, 0]: self._draft_params(m, self.num_logprobs, int(s[i])))  # fmt: skip
             scorer = _Scorer(self._submit_score, self.engines.guidance.ready, self._collect_score)
             stagger = -(-guidance.num_speculative_tokens // len(batches))  # spread over one round
             try:
@@ -290,13 +291,11 @@ class VLLMRollout:
         except RuntimeError:
             pass
 
-    def _teacher_only_prefill(
-        self, prompts: list[list[int]], rng: np.random.Generator
-    ) -> list[GuidedSequence]:
+    def _teacher_only_prefill(self, prompts: list[list[int]], seeds) -> list[GuidedSequence]:
         """λ = 0 by prefill: the draft samples whole responses, then the guidance scores each in
         one prefill; on CPU each engine has every core while it works (the other idles)."""
         with self._cores_to("draft"):
-            seqs = self._draft_only(prompts, rng.integers(0, 2**31, len(prompts)))
+            seqs = self._draft_only(prompts, seeds)
         with self._cores_to("guidance"):
             self._teacher_prefill(prompts, seqs)
         return seqs
@@ -308,7 +307,7 @@ class VLLMRollout:
         if torch.cuda.is_available():
             yield
             return
-        cores = len(os.sched_getaffinity(0))
+        cores = rollout_cores()
         if engine == "draft":
             torch._C.set_num_threads(cores)
         else:
@@ -359,11 +358,10 @@ class VLLMRollout:
         )
         return [_whole_response(*sampled_log_probs(out.outputs[0]), False) for out in outputs]
 
-    def _mix(self, prompts: list[list[int]], n: int, rng: np.random.Generator):
+    def _mix(self, prompts: list[list[int]], n: int, seeds: np.ndarray):
         """The first `mix_num_samples` of each prompt's n samples from the guidance (its process
         samples them while the draft engine samples the rest here), the others from the draft."""
         k = self.config.offpolicy_guidance.mix_num_samples
-        seeds = rng.integers(0, 2**31, len(prompts))
         rows = {g: [i for i in range(len(prompts)) if (i % n < k) == g] for g in (True, False)}
         seqs: list = [None] * len(prompts)
         if rows[True]:
@@ -501,13 +499,34 @@ def draft_tables(outs: list, budget: list[int]) -> tuple[torch.Tensor, torch.Ten
     return torch.from_numpy(proposals), torch.from_numpy(num), rows
 
 
+def sequence_seeds(step_seed: int, first_row: int, rows: int, n: int) -> np.ndarray:
+    """(rows * n, 2) seeds of each sequence, row-major by prompt: its sampling seed for the
+    engine and its speculative acceptance draws. A function of the step's seed and the prompt's
+    row in the whole batch alone (`first_row` + r), so a sequence gets the same seeds whichever
+    replica, wave or group generates it."""
+    if rows == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    return np.concatenate(
+        [
+            np.random.default_rng([step_seed, first_row + r]).integers(0, 2**31, (n, 2))
+            for r in range(rows)
+        ]
+    )
+
+
+def rollout_cores() -> int:
+    """CPU cores this replica's engines may use: its share when several replicas share the
+    machine (`VERL_ROLLOUT_CORES`, set by `RolloutWorker`), else every core it may run on."""
+    return int(os.environ.get("VERL_ROLLOUT_CORES", 0)) or len(os.sched_getaffinity(0))
+
+
 def split_cpu_threads() -> dict[str, str]:
     """CPU only: give the draft (this process) and the guidance process half the cores each, so
     the two engines never oversubscribe the machine while they overlap. Returns the guidance
     process's environment additions (its OMP_NUM_THREADS); nothing on a GPU machine."""
     if torch.cuda.is_available():
         return {}
-    cores = len(os.sched_getaffinity(0))
+    cores = rollout_cores()
     guidance = max(1, cores // 2)
     # torch._C's setter: vLLM replaces torch.set_num_threads by a no-op once an engine started here
     torch._C.set_num_threads(max(1, cores - guidance))
@@ -556,8 +575,10 @@ class _Counters:
         meta = {"lam": lam, "emitted_tokens": emitted, "guidance_tokens_computed": self.computed,
                 "guidance_tokens_submitted": self.submitted}  # fmt: skip
         if stats is not None:
-            meta.update(accept_rate=stats.accept_rate, rounds=stats.rounds, proposed_tokens=stats.proposed, bonus_tokens=stats.bonus,
+            meta.update(accept_rate=stats.accept_rate, rounds=stats.rounds, proposed_tokens=stats.proposed,
+                        accepted_tokens=stats.accepted, bonus_tokens=stats.bonus,
                         guidance_tokens_per_emitted=self.computed / max(emitted, 1))  # fmt: skip
         if self.tail_mass:
-            meta["topk_tail_mass"] = float(np.concatenate(self.tail_mass).mean())
+            rows = np.concatenate(self.tail_mass)
+            meta.update(topk_tail_mass=float(rows.mean()), topk_rows=len(rows))
         return meta
