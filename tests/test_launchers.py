@@ -59,3 +59,14 @@ def test_a_bad_override_fails_in_one_line():
         proc.stderr.strip().splitlines() == [proc.stderr.strip()]
         and "worker.actor.loss_type" in proc.stderr
     )
+
+
+def test_guidance_gpus_take_their_share_of_the_node():
+    """GUIDANCE_GPUS=2 on an 8-GPU node: 6 GPUs for the FSDP ranks and draft engines, 2 for the
+    guidance engines (768 responses a step split over the 6 ranks)."""
+    launcher = ROOT / "examples" / "qwen2_5_1_5b_math_guided.sh"
+    proc = dry_run(launcher, "data.rollout_batch_size=96", N_GPUS="8", GUIDANCE_GPUS="2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config = OmegaConf.create(proc.stdout)
+    assert config.trainer.n_gpus_per_node == 6
+    assert config.worker.rollout.offpolicy_guidance.n_gpus_per_node == 2

@@ -250,6 +250,9 @@ class PPOConfig:
             rollout.num_replicas = (
                 max(1, world // rollout.tensor_parallel_size) if self.trainer.use_gpu else 1
             )
+        if guidance.num_replicas is None:  # one guidance engine per draft replica or dedicated GPU
+            dedicated = self.trainer.nnodes * guidance.n_gpus_per_node
+            guidance.num_replicas = min(dedicated or rollout.num_replicas, rollout.num_replicas)
         if self.worker.reward.reward_function is None:
             embedded = self.data.train_files.startswith("embedded://arithmetic")
             self.worker.reward.reward_function = "arithmetic" if embedded else "math"
@@ -273,6 +276,12 @@ class PPOConfig:
                  f"rollout_batch_size x worker.rollout.n = {responses} responses must split evenly over "
                  f"trainer.nnodes x trainer.n_gpus_per_node = {world} workers")  # fmt: skip
         self._validate_distill()
+        guidance = self.worker.rollout.offpolicy_guidance
+        dedicated = self.trainer.nnodes * guidance.n_gpus_per_node
+        if dedicated and guidance.num_replicas is not None and guidance.num_replicas > dedicated:
+            fail("worker.rollout.offpolicy_guidance.num_replicas", guidance.num_replicas,
+                 f"expected at most trainer.nnodes x offpolicy_guidance.n_gpus_per_node = {dedicated} "
+                 "(one engine per dedicated GPU)")  # fmt: skip
         if (
             needs_sum_pi_squared(self.algorithm.adv_estimator)
             and not self.worker.actor.calculate_sum_pi_squared

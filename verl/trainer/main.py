@@ -58,6 +58,12 @@ def prepare(config: PPOConfig) -> Prepared:
     from verl.workers.reward.function import FunctionRewardManager
     from verl.workers.rollout.vllm_rollout_spmd import check_same_tokenizer
 
+    if config.trainer.nnodes > 1 and not os.environ.get("RAY_ADDRESS"):
+        raise ConfigError(
+            f"trainer.nnodes = {config.trainer.nnodes} needs a running Ray cluster: start one "
+            "(`ray start --head` here, `ray start --address=<head>:6379` on the other nodes) and "
+            "set RAY_ADDRESS=<head>:6379"
+        )
     _build_embedded_if_needed(config)
     actor_path = config.worker.actor.model.model_path
     _check_model_folder("worker.actor.model.model_path", actor_path)
@@ -106,7 +112,9 @@ def start_ray(config: PPOConfig) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=env)
         return
-    workers = config.trainer.nnodes * config.trainer.n_gpus_per_node
+    guidance = config.worker.rollout.offpolicy_guidance
+    per_node = config.trainer.n_gpus_per_node + (guidance.n_gpus_per_node if guidance.enable else 0)
+    workers = config.trainer.nnodes * per_node
     ray.init(num_cpus=max(os.cpu_count() or 1, workers + 1), include_dashboard=False,
              runtime_env=env, log_to_driver=True)  # fmt: skip
 
@@ -190,10 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {message}", file=sys.stderr)
         return 2
     from verl.workers.reward.function import RewardError
+    from verl.workers.rollout.guidance_server import GuidanceLost
 
     try:
         run(prepared)
-    except RewardError as error:  # the run stopped cleanly (Ray shut down); say why in one line
+    except (RewardError, GuidanceLost) as error:  # stopped cleanly (Ray shut down): one line
         print(f"error: {error}", file=sys.stderr)
         return 1
     except TrainingInterrupted as stop:

@@ -37,6 +37,7 @@ from verl.utils.checkpoint import is_complete
 from verl.utils.dataset import RLDataset, build_dataloader
 from verl.utils.tracking import Tracking
 from verl.workers.fsdp_workers import FSDPWorker
+from verl.workers.placement import Placement
 from verl.workers.reward.function import FunctionRewardManager
 from verl.workers.rollout.worker import RolloutGroup
 from verl.workers.worker_group import RayWorkerGroup, reduce_metrics
@@ -67,26 +68,45 @@ class RayPPOTrainer:
         self.use_gpu = trainer.use_gpu
         self._warned_single_sample = False
         self._bucket_plan: list[list[str]] | None = None
+        self.placement: Placement | None = None  # FSDP ranks, draft replicas (+ guidance)
+        self.guidance_placement: Placement | None = None  # dedicated guidance GPUs
         self.seen_indices: list[list[int]] = []  # dataset rows of each step (resume checks)
 
     # ------------------------------------------------------------------ workers
     def init_workers(self) -> None:
-        """Actor (+ colocated reference) FSDP ranks and the rollout actor with the vLLM engines."""
+        """Actor (+ colocated reference) FSDP ranks, the draft replicas and the guidance services."""
         cfg = self.config
         role = "actor_ref" if cfg.uses_reference else "actor"
         share = 0.5 if self.use_gpu else 0  # actor and rollout share each GPU
-        self.actor_wg = RayWorkerGroup(FSDPWorker, self.world_size, cfg.worker, role=role,
-                                       num_cpus_per_worker=1, num_gpus_per_worker=share)  # fmt: skip
-        self.actor_wg.execute_all("init_model")
         rollout = cfg.worker.rollout
         cpus = 1 if self.use_gpu else 1 / rollout.num_replicas  # on CPU the replicas share cores
-        self.rollout = RolloutGroup(rollout.num_replicas, cfg.worker.actor.model.model_path, rollout,
-                                    num_cpus=cpus, num_gpus=share)  # fmt: skip
+        guided = rollout.offpolicy_guidance.enable
+        dedicated = rollout.offpolicy_guidance.n_gpus_per_node if guided else 0
+        gpu = {"GPU": 1} if self.use_gpu else {}
+        if self.use_gpu or cfg.trainer.nnodes > 1:  # a bundle per GPU: its rank, replica, guidance
+            self.placement = Placement.create(
+                cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, {"CPU": 1 + cpus, **gpu}
+            )
+        if dedicated:  # the guidance engines on GPUs of their own, one each
+            slot = gpu or {"CPU": 0.5}  # (CPU: a token share, the engines share the cores)
+            self.guidance_placement = Placement.create(cfg.trainer.nnodes, dedicated, slot)
+            guidance = 1 if self.use_gpu else 0
+        else:  # on a GPU the rollout's share is split between a draft replica and its guidance
+            guidance = share / 2 if guided else 0
+        self.actor_wg = RayWorkerGroup(FSDPWorker, self.world_size, cfg.worker, role=role, placement=self.placement,
+                                       num_cpus_per_worker=1, num_gpus_per_worker=share)  # fmt: skip
+        self.actor_wg.execute_all("init_model")
+        self.rollout = RolloutGroup(rollout.num_replicas, cfg.worker.actor.model.model_path, rollout, num_cpus=cpus,
+                                    num_gpus=share - (0 if dedicated else guidance), guidance_gpus=guidance,
+                                    placement=self.placement, guidance_placement=self.guidance_placement)  # fmt: skip
 
     def shutdown(self) -> None:
         """Stop this trainer's Ray actors (Ray itself keeps running)."""
         self.actor_wg.shutdown()
         self.rollout.shutdown()
+        for placement in (self.placement, self.guidance_placement):
+            if placement is not None:
+                placement.remove()
 
     def _sync_weights(self) -> None:
         """The actor's weights to every rollout replica in buckets (`weight_sync_bucket_mb`)."""

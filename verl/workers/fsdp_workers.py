@@ -12,6 +12,7 @@ import os
 import socket
 from typing import Any
 
+import ray
 import torch
 
 from verl.protocol import DataProto
@@ -209,4 +210,6 @@ class FSDPWorker:
             "world_size": self.world_size,
             "device": device_type(),
             "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "placement_group": ray.get_runtime_context().get_placement_group_id(),
         }

@@ -7,10 +7,12 @@ from typing import Any
 import ray
 
 from verl.protocol import DataProto
+from verl.workers.placement import Placement
 
 
 class RayWorkerGroup:
-    """Starts `world_size` copies of `worker_cls` as Ray actors and dispatches calls to them."""
+    """Starts `world_size` copies of `worker_cls` as Ray actors (rank i in `placement`'s bundle i
+    when given) and dispatches calls to them."""
 
     def __init__(
         self,
@@ -19,6 +21,7 @@ class RayWorkerGroup:
         *args: Any,
         num_cpus_per_worker: float = 1,
         num_gpus_per_worker: float = 0,
+        placement: Placement | None = None,
         **kwargs: Any,
     ) -> None:
         remote_cls = ray.remote(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker)(
@@ -26,9 +29,10 @@ class RayWorkerGroup:
         )
         self.world_size = world_size
         self.workers = [
-            remote_cls.remote(*args, rank=rank, world_size=world_size, **kwargs)
+            remote_cls.options(**({"scheduling_strategy": placement.slot(rank)} if placement else {}))
+            .remote(*args, rank=rank, world_size=world_size, **kwargs)
             for rank in range(world_size)
-        ]
+        ]  # fmt: skip
         addr, port = ray.get(self.workers[0].master_address.remote())
         self.execute_all("init_distributed", addr, port)
 

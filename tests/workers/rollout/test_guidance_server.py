@@ -57,7 +57,7 @@ def test_scores_in_order_then_reports_a_failing_request_and_stops(model):
         assert computed_a == 4 and computed_b == 3  # new sessions: every prompt token computed
         # a request the engine rejects raises in the parent with the child's traceback, and the
         # process keeps serving
-        with pytest.raises(RuntimeError, match="guidance engine failed"):
+        with pytest.raises(RuntimeError, match="guidance engine process failed"):
             process.call("no_such_op")
         process.call("close")
     finally:
@@ -94,3 +94,53 @@ def test_a_dead_child_is_reported_not_waited_for(model):
         process.result()
     process.shutdown()  # stopping a dead child returns quietly
     assert process._proc.returncode is not None
+
+
+def test_a_shared_service_keeps_each_replicas_sessions_apart():
+    """`GuidanceService._handle` on a recording stand-in for the engine: session ids get the
+    replica's prefix, "close" frees only that replica's sessions, "capacity" is its share, and
+    the engine sleeps only when every replica it serves sleeps."""
+    from types import SimpleNamespace
+
+    from verl.workers.rollout.guidance_service import GuidanceService
+
+    calls = []
+    sessions = SimpleNamespace(session_ids=["r0/a", "r0/b", "r1/a"])
+    engine = SimpleNamespace(
+        sessions=sessions,
+        score=lambda chunks, rows, k: calls.append(("score", chunks)),
+        close=lambda ids: calls.append(("close", ids)),
+        capacity=lambda tokens: 7,
+        sleep=lambda: calls.append(("sleep",)),
+        wake_up=lambda: calls.append(("wake_up",)),
+    )
+    service = GuidanceService.__new__(GuidanceService)  # no engine, no listener: only the routing
+    service.server, service.num_clients, service.shares_gpu, service._sleeping = (
+        engine,
+        2,
+        True,
+        set(),
+    )
+    service._handle("r1/", "score", ([("a", [1, 2], 1, None)], [(0, 1)], 5))
+    service._handle("r1/", "close", ())
+    service._handle("r0/", "close", (["b"],))
+    assert calls == [
+        ("score", [("r1/a", [1, 2], 1, None)]),
+        ("close", ["r1/a"]),
+        ("close", ["r0/b"]),
+    ]
+    assert service._handle("r0/", "capacity", (40,)) == 3  # 7 sessions fit, 2 replicas: 3 each
+    # the engine sleeps once both replicas sleep, and wakes with the first that wakes
+    calls.clear()
+    service._handle("r0/", "sleep", ())
+    assert calls == []
+    service._handle("r1/", "sleep", ())
+    service._handle("r1/", "wake_up", ())
+    assert calls == [("sleep",), ("wake_up",)]
+    calls.clear()
+    service.shares_gpu = False  # on GPUs of its own it never sleeps
+    for prefix in ("r0/", "r1/"):
+        service._handle(prefix, "sleep", ())
+    assert calls == []
+    with pytest.raises(ValueError, match="unknown guidance request 'nope'"):
+        service._handle("r0/", "nope", ())

@@ -45,10 +45,12 @@ def test_merged_meta_sums_counts_and_recomputes_rates_by_hand():
 
 @pytest.mark.e2e
 def test_two_ray_replicas_give_the_tokens_of_one(tmp_path):
-    """`RolloutGroup` with 1 and with 2 Ray replicas (each its own draft and guidance engines):
-    identical tokens and masks, log-probs equal to float rounding, in speculative mode and with
-    the draft alone (guidance off for the call, as validation). Mix mode's split is checked on
-    one engine in test_vllm_rollout.py (the same per-replica code)."""
+    """`RolloutGroup` with 1 draft replica + 1 guidance service, 2 + 2, and 2 drafts sharing 1
+    guidance service: identical tokens and masks, log-probs equal to float rounding, in
+    speculative mode and with the draft alone (guidance off for the call, as validation). Mix
+    mode's split is checked on one engine in test_vllm_rollout.py (the same per-replica code)."""
+    import dataclasses
+
     import ray
     from test_vllm_rollout import (
         PROMPTS,
@@ -73,27 +75,27 @@ def test_two_ray_replicas_give_the_tokens_of_one(tmp_path):
         ray.init(num_cpus=4, include_dashboard=False)
     outs = {}
     try:
-        for replicas in (1, 2):
-            group = RolloutGroup(replicas, draft, rollout_config(guide))
+        for replicas, services in ((1, 1), (2, 2), (2, 1)):
+            config = rollout_config(guide)
+            config.offpolicy_guidance = dataclasses.replace(
+                config.offpolicy_guidance, num_replicas=services
+            )
+            group = RolloutGroup(replicas, draft, config)
+            assert len(group.services) == services
             try:
                 for mode, meta in (("spec", {"lam": 0.5}), ("off", {"guidance": False})):
                     batch = prompt_batch(tok, PROMPTS, n=3, temperature=1.0, global_step=1, **meta)
-                    outs[replicas, mode] = group.generate_sequences(batch)
+                    outs[replicas, services, mode] = group.generate_sequences(batch)
             finally:
                 group.shutdown()
     finally:
         if started:
             ray.shutdown()
-    for mode in ("spec", "off"):
-        assert_same_sequences(outs[1, mode], outs[2, mode])
-    spec1, spec2 = outs[1, "spec"].meta_info, outs[2, "spec"].meta_info
-    assert (
-        spec1["emitted_tokens"]
-        == spec2["emitted_tokens"]
-        == int(outs[1, "spec"].batch["response_mask"].sum())
-    )
-    assert (
-        spec1["accepted_tokens"] == spec2["accepted_tokens"]
-        and spec1["accept_rate"] == spec2["accept_rate"]
-    )
-    assert outs[1, "spec"].batch["offpolicy_mask"].any()
+    for layout in ((2, 2), (2, 1)):
+        for mode in ("spec", "off"):
+            assert_same_sequences(outs[1, 1, mode], outs[(*layout, mode)])
+    one, shared = outs[1, 1, "spec"], outs[2, 1, "spec"]
+    a, b = one.meta_info, shared.meta_info  # counts summed over the replicas
+    assert a["emitted_tokens"] == b["emitted_tokens"] == int(one.batch["response_mask"].sum())
+    assert a["accepted_tokens"] == b["accepted_tokens"] and a["accept_rate"] == b["accept_rate"]
+    assert one.batch["offpolicy_mask"].any()

@@ -24,6 +24,10 @@ class OffPolicyGuidanceConfig:
     """Tensor-parallel width of the guidance engine."""
     gpu_memory_utilization: float = 0.3
     """Share of GPU memory the guidance engine may use."""
+    num_replicas: int | None = None
+    """Guidance engines (Ray actors) shared by the draft replicas, replica i using engine i mod this (None: auto = one per draft replica, or one per dedicated GPU)."""
+    n_gpus_per_node: int = 0
+    """GPUs per node of the guidance's own, one engine on each (0: colocated, on the draft replicas' GPUs)."""
     dtype: str = "bfloat16"
     """Weights/activations dtype of the guidance engine (float32 on CPU)."""
     enforce_eager: bool | None = None
@@ -69,6 +73,9 @@ class OffPolicyGuidanceConfig:
             f"{prefix}.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True
         )
         check_range(f"{prefix}.tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.num_replicas is not None:
+            check_range(f"{prefix}.num_replicas", self.num_replicas, 1)
+        check_range(f"{prefix}.n_gpus_per_node", self.n_gpus_per_node, 0)
         check_range(f"{prefix}.logprobs", self.logprobs, 1)
         check_range(f"{prefix}.num_speculative_tokens", self.num_speculative_tokens, 1)
         check_range(f"{prefix}.pipeline_groups", self.pipeline_groups, 1)
@@ -111,6 +118,8 @@ class RolloutConfig:
     """Draft engines (Ray actors), a step's prompts split over them by whole groups (None: auto = GPUs / tensor_parallel_size, 1 on CPU)."""
     enforce_eager: bool = False
     """Disable CUDA graphs."""
+    free_cache_engine: bool = True
+    """CUDA: the draft engine (and its colocated guidance engine) sleeps between generations, KV cache freed and weights offloaded to CPU (vLLM sleep mode, level 1); no effect on CPU."""
     enable_prefix_caching: bool = True
     """Share KV cache across requests with a common prefix (speculative guidance: off, by design)."""
     enable_chunked_prefill: bool = False
@@ -157,3 +166,7 @@ class RolloutConfig:
                 "expected a positive multiple of 16 (32 on CPU)",
             )
         self.offpolicy_guidance.validate(f"{prefix}.offpolicy_guidance", self.n)
+        shared = self.offpolicy_guidance.num_replicas
+        if self.num_replicas is not None and shared is not None and shared > self.num_replicas:
+            fail(f"{prefix}.offpolicy_guidance.num_replicas", shared,
+                 f"expected at most worker.rollout.num_replicas = {self.num_replicas} (each serves draft replicas)")  # fmt: skip

@@ -1,15 +1,16 @@
-"""The guidance engine in its own process, so it computes while the draft engine steps.
+"""The guidance engine in a process of its own, so it computes while the draft engine steps.
 
-The rollout keeps the draft engine in-process (weights are synced into it every step) and starts
-the guidance engine here, in a child process (`python -m verl.workers.rollout.guidance_server`)
-that talks over a private socket pair: the guidance scores one group of sequences while the
-draft proposes the next group's tokens (`speculative.overlapped_generate`). On a 2-core CPU the
-two engines then run on both cores; on a GPU the guidance's kernels overlap the draft's
-scheduling overhead, each engine can use sleep mode (one per process), and the guidance can
-have its own tensor-parallel width.
+The rollout keeps the draft engine in-process (weights are synced into it every step); the
+guidance engine runs elsewhere and answers requests over a connection: the guidance scores one
+group of sequences while the draft proposes the next group's tokens
+(`speculative.overlapped_generate`). Under the trainer the guidance is a `GuidanceService` Ray
+actor (`guidance_service.py`) shared by draft replicas over TCP; a `VLLMRollout` used on its own
+starts it as a child process (`python -m verl.workers.rollout.guidance_server`) over a private
+socket pair. On a 2-core CPU the two engines then run on both cores; on a GPU the guidance's
+kernels overlap the draft's scheduling overhead and it can have its own tensor-parallel width.
 
-Requests are answered in the order they were sent. The child exits when its socket closes, so it
-never outlives the rollout.
+Requests on a connection are answered in the order they were sent. The child exits when its
+socket closes, so it never outlives the rollout.
 """
 
 from __future__ import annotations
@@ -28,44 +29,29 @@ import numpy as np
 START_TIMEOUT_S = 900.0  # building a large guidance engine (and its compilation) takes a while
 
 
-class GuidanceProcess:
-    """Parent side: starts the child, sends requests, returns answers (raising the child's errors).
+class GuidanceLost(RuntimeError):
+    """The guidance engine's process or Ray actor went away mid-request."""
 
-    `submit(op, *args)` sends without waiting; `result()` waits for the oldest answer; `call`
-    does both. Ops: "capacity", "score", "close", "generate", "threads" (see `_Server`).
-    """
 
-    def __init__(self, llm_kwargs: dict, env: dict[str, str] | None = None) -> None:
-        parent, child = socket.socketpair()
-        root = str(Path(__file__).resolve().parents[3])
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "verl.workers.rollout.guidance_server", str(child.fileno())],
-            pass_fds=[child.fileno()],
-            env=env,
-        )
-        child.close()
-        self._conn = Connection(parent.detach())
-        self._finalizer = weakref.finalize(self, _stop, self._proc, self._conn)
+class GuidanceChannel:
+    """Requests over one connection, answered in the order they were sent (raising the engine's
+    errors). `submit(op, *args)` sends without waiting; `result()` waits for the oldest answer;
+    `call` does both. Ops: "info", "capacity", "score", "close", "generate", "threads" (`_Server`)."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self._conn, self.name = conn, name
         self._pending = 0
-        self._ready = False
-        self.submit("init", llm_kwargs)
 
-    def wait_ready(self) -> dict:
-        """Wait until the guidance engine is built; returns its facts (e.g. `vocab_size`)."""
-        if self._ready:
-            raise RuntimeError("the guidance engine was already started")
-        info = self.result(timeout=START_TIMEOUT_S)
-        self._ready = True
-        return info
+    def _gone(self) -> str:
+        """Why the other side is gone, for the error line."""
+        return "its connection closed"
 
     def submit(self, op: str, *args) -> None:
         """Send a request without waiting for its answer."""
         try:
             self._conn.send((op, args))
         except OSError as exc:
-            raise RuntimeError(f"guidance engine process is gone ({self._exit_status()})") from exc
+            raise GuidanceLost(f"{self.name} is gone ({self._gone()})") from exc
         self._pending += 1
 
     def result(self, timeout: float | None = None):
@@ -73,16 +59,14 @@ class GuidanceProcess:
         if self._pending == 0:
             raise RuntimeError("no guidance request is waiting for an answer")
         if timeout is not None and not self._conn.poll(timeout):
-            raise TimeoutError(f"guidance engine gave no answer within {timeout:.0f} s")
+            raise TimeoutError(f"{self.name} gave no answer within {timeout:.0f} s")
         try:
             status, payload = self._conn.recv()
         except (EOFError, OSError) as exc:
-            raise RuntimeError(
-                f"guidance engine process died ({self._exit_status()}); its log is above"
-            ) from exc
+            raise GuidanceLost(f"{self.name} died mid-request ({self._gone()})") from exc
         self._pending -= 1
         if status == "error":
-            raise RuntimeError(f"guidance engine failed:\n{payload}")
+            raise RuntimeError(f"{self.name} failed:\n{payload}")
         return payload
 
     def ready(self) -> bool:
@@ -96,13 +80,54 @@ class GuidanceProcess:
         self.submit(op, *args)
         return self.result()
 
+    def wait_ready(self) -> dict:
+        """Wait until the guidance engine is built; returns its facts (e.g. `vocab_size`)."""
+        return self.call("info")
+
+    def shutdown(self) -> None:
+        """Close this connection (idempotent)."""
+        self._conn.close()
+
+
+class GuidanceProcess(GuidanceChannel):
+    """The guidance engine in a child process of this one, over a private socket pair (a
+    `VLLMRollout` used on its own, without Ray: tools and in-process tests)."""
+
+    def __init__(self, llm_kwargs: dict, env: dict[str, str] | None = None) -> None:
+        parent, child = socket.socketpair()
+        root = str(Path(__file__).resolve().parents[3])
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "verl.workers.rollout.guidance_server", str(child.fileno())],
+            pass_fds=[child.fileno()],
+            env=env,
+        )
+        child.close()
+        super().__init__(Connection(parent.detach()), "guidance engine process")
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._conn)
+        self.submit("init", llm_kwargs)  # answered with the engine's info once it is built
+
+    def wait_ready(self) -> dict:
+        return self.result(timeout=START_TIMEOUT_S)
+
     def shutdown(self) -> None:
         """Stop the child process (idempotent)."""
         self._finalizer()
 
-    def _exit_status(self) -> str:
+    def _gone(self) -> str:
         code = self._proc.poll()
         return "still running" if code is None else f"exit code {code}"
+
+
+class GuidanceClient(GuidanceChannel):
+    """A connection to a `GuidanceService` (the guidance engine as a Ray actor, maybe on
+    another node), named for error lines by its replica index."""
+
+    def __init__(self, address: tuple, authkey: bytes, name: str) -> None:
+        from multiprocessing.connection import Client
+
+        super().__init__(Client(address, authkey=authkey), name)
 
 
 def _stop(proc: subprocess.Popen, conn: Connection) -> None:
@@ -129,10 +154,23 @@ class _Server:
 
         drop_harmless_vllm_records()
         self.llm = LLM(**llm_kwargs)
+        self.asleep = False
         self.sessions = SessionEngine(self.llm) if not llm_kwargs["enable_prefix_caching"] else None
 
     def info(self) -> dict:
         return {"vocab_size": self.llm.llm_engine.model_config.get_vocab_size()}
+
+    def sleep(self) -> None:
+        """vLLM sleep mode, level 1 (KV cache freed, weights offloaded to CPU); idempotent."""
+        if not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        """Every allocation resident again; idempotent."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def threads(self, count: int) -> int:
         """CPU: compute with `count` threads from now on (torch._C's setter: vLLM replaces
@@ -186,26 +224,40 @@ class _Server:
         return [sampled_log_probs(out.outputs[0]) for out in outputs]
 
 
+def answer_one(conn: Connection, handle) -> bool:
+    """Read one request from `conn` and send `handle(op, args)` back (an exception travels as
+    ("error", traceback) for the other side to raise). False once the peer is gone or said
+    "shutdown"."""
+    try:
+        op, args = conn.recv()
+    except (EOFError, OSError):
+        return False
+    if op == "shutdown":
+        return False
+    try:
+        reply = ("ok", handle(op, args))
+    except Exception:
+        reply = ("error", traceback.format_exc())
+    try:
+        conn.send(reply)
+    except OSError:
+        return False
+    return True
+
+
 def serve(fd: int) -> None:
     """The child's loop: build the engine on "init", answer requests until "shutdown" or EOF."""
+    box: list[_Server] = []
+
+    def handle(op: str, args: tuple):
+        if op == "init":
+            box.append(_Server(*args))
+            op, args = "info", ()
+        return getattr(box[0], op)(*args)
+
     conn = Connection(fd)
-    server = None
-    while True:
-        try:
-            op, args = conn.recv()
-        except (EOFError, OSError):
-            return
-        if op == "shutdown":
-            return
-        try:
-            if op == "init":
-                server = _Server(*args)
-                answer = server.info()
-            else:
-                answer = getattr(server, op)(*args)
-            conn.send(("ok", answer))
-        except Exception:  # the parent raises it with this traceback
-            conn.send(("error", traceback.format_exc()))
+    while answer_one(conn, handle):
+        pass
 
 
 if __name__ == "__main__":

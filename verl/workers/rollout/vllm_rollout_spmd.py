@@ -22,7 +22,7 @@ import torch
 from verl.protocol import DataProto
 from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR, guidance_tensors, lam_at_step
 from verl.workers.rollout.config import OffPolicyGuidanceConfig, RolloutConfig
-from verl.workers.rollout.guidance_server import GuidanceProcess
+from verl.workers.rollout.guidance_server import GuidanceChannel, GuidanceClient, GuidanceProcess
 from verl.workers.rollout.speculative import (
     GuidedSequence,
     ListedRows,
@@ -78,54 +78,110 @@ def guidance_engine_args(config: RolloutConfig, num_logprobs: int, common: dict)
 @dataclass
 class _Engines:
     draft: object
-    guidance: GuidanceProcess | None
+    guidance: GuidanceChannel | None
+
+
+def sleeps(config: RolloutConfig) -> bool:
+    """The engines sleep between generations: `free_cache_engine` on a CUDA machine."""
+    return config.free_cache_engine and torch.cuda.is_available()
+
+
+def engine_args(model_path: str, config: RolloutConfig) -> tuple[dict, dict | None, int]:
+    """`vllm.LLM` arguments of the draft engine and of the guidance engine (None without
+    guidance), and the number of log-probs a guidance row lists (K, capped by the vocabulary)."""
+    from transformers import AutoConfig
+
+    guidance = config.offpolicy_guidance
+    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    if guidance.enable:
+        vocab = max(vocab, AutoConfig.from_pretrained(guidance.model_path).vocab_size)
+    max_len = config.prompt_length + config.response_length + 1  # scoring needs one output slot
+    # speculative guidance runs rewindable sessions (patches/vllm_session_rewind.py), which keep
+    # each sequence's KV cache themselves and must not share blocks through the prefix cache
+    speculative = guidance.enable and guidance.mode == "speculative"
+    common = dict(max_model_len=max_len, enable_prefix_caching=config.enable_prefix_caching and not speculative,
+                  seed=config.seed, max_num_batched_tokens=max(config.max_num_batched_tokens, max_len),
+                  max_num_seqs=config.max_num_seqs)  # fmt: skip
+    if config.kv_block_size is not None:
+        common["block_size"] = config.kv_block_size
+    if sleeps(config):
+        common["enable_sleep_mode"] = True
+    num_logprobs = min(guidance.logprobs, vocab) if guidance.enable else 1
+    draft = dict(model=model_path, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
+                 enforce_eager=config.enforce_eager, max_logprobs=max(num_logprobs, 1),
+                 logprobs_mode="processed_logprobs", **engine_memory_args(config.gpu_memory_utilization), **common)  # fmt: skip
+    teacher = guidance_engine_args(config, num_logprobs, common) if guidance.enable else None
+    return draft, teacher, num_logprobs
 
 
 class VLLMRollout:
-    """Draft engine (+ guidance engine) producing EasyR1-layout DataProto batches."""
+    """Draft engine (+ a connection to the guidance engine) producing EasyR1-layout batches.
+
+    `own_guidance`: start the guidance engine as a child process here (used on its own); else
+    the guidance is a service reached after `connect_guidance` (the trainer's `RolloutGroup`)."""
 
     def __init__(
-        self, model_path: str, config: RolloutConfig, eos_token_id: int, pad_token_id: int
+        self,
+        model_path: str,
+        config: RolloutConfig,
+        eos_token_id: int,
+        pad_token_id: int,
+        own_guidance: bool = True,
     ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         drop_harmless_vllm_records()
         guidance = config.offpolicy_guidance
         if guidance.enable:
             check_same_tokenizer(model_path, guidance.model_path)
-        from transformers import AutoConfig
         from vllm import LLM
 
         self.config, self.eos_token_id, self.pad_token_id = config, eos_token_id, pad_token_id
-        vocab = AutoConfig.from_pretrained(model_path).vocab_size
-        if guidance.enable:
-            vocab = max(vocab, AutoConfig.from_pretrained(guidance.model_path).vocab_size)
-        max_len = (
-            config.prompt_length + config.response_length + 1
-        )  # scoring requests need one output slot
-        # speculative guidance runs rewindable sessions (patches/vllm_session_rewind.py), which keep
-        # each sequence's KV cache themselves and must not share blocks through the prefix cache
         self.speculative = guidance.enable and guidance.mode == "speculative"
-        prefix_caching = config.enable_prefix_caching and not self.speculative
-        common = dict(max_model_len=max_len, enable_prefix_caching=prefix_caching, seed=config.seed,
-                      max_num_batched_tokens=max(config.max_num_batched_tokens, max_len), max_num_seqs=config.max_num_seqs)  # fmt: skip
-        if config.kv_block_size is not None:
-            common["block_size"] = config.kv_block_size
-        self.num_logprobs = min(guidance.logprobs, vocab) if guidance.enable else 1
+        draft_args, guidance_args, self.num_logprobs = engine_args(model_path, config)
         engine = None
-        if guidance.enable:  # its own process, built while the draft engine is built here
-            args = guidance_engine_args(config, self.num_logprobs, common)
-            engine = GuidanceProcess(env=split_cpu_threads(), llm_kwargs=args)
-        draft = LLM(model=model_path, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
-                    enforce_eager=config.enforce_eager, max_logprobs=max(self.num_logprobs, 1),
-                    logprobs_mode="processed_logprobs", **engine_memory_args(config.gpu_memory_utilization), **common)  # fmt: skip
+        if guidance_args is not None and own_guidance:  # built while the draft is built here
+            engine = GuidanceProcess(env=split_cpu_threads(), llm_kwargs=guidance_args)
+        elif guidance_args is not None:
+            split_cpu_threads()  # this engine's share of the cores (the service has the rest)
+        draft = LLM(**draft_args)
         if engine is not None:
             engine.wait_ready()
         self.engines = _Engines(draft, engine)
         self.draft_sessions = SessionEngine(draft) if self.speculative else None
         self._call = 0
+        self.sleep_mode = sleeps(config)
+        self._awake = {"weights", "kv_cache"}  # the draft engine's memory that is resident
+
+    def sleep(self) -> None:
+        """`free_cache_engine` on CUDA: free the KV cache and offload the weights to CPU, here and
+        in the guidance engine (which sleeps once every replica it serves sleeps)."""
+        if not self.sleep_mode or not self._awake:
+            return
+        self.engines.draft.sleep(level=1)
+        self._awake = set()
+        if self.engines.guidance is not None:
+            self.engines.guidance.call("sleep")
+
+    def wake_up(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        """Make the draft engine's `tags` memory resident again (weights before a weight sync,
+        everything before generating); the guidance wakes with the KV cache."""
+        missing = [t for t in tags if t not in self._awake]
+        if not missing:
+            return
+        self.engines.draft.wake_up(tags=missing)
+        self._awake.update(missing)
+        if "kv_cache" in missing and self.engines.guidance is not None:
+            self.engines.guidance.call("wake_up")
+
+    def connect_guidance(self, address: tuple, authkey: bytes, name: str) -> None:
+        """Use the `GuidanceService` at `address` from now on (a restarted one included)."""
+        if self.engines.guidance is not None:
+            self.engines.guidance.shutdown()
+        self.engines.guidance = GuidanceClient(address, authkey, name)
 
     def shutdown(self) -> None:
-        """Stop the guidance engine's process (the draft engine goes with this object)."""
+        """Stop the guidance engine's process, or close the connection to the service (the draft
+        engine goes with this object)."""
         if self.engines.guidance is not None:
             self.engines.guidance.shutdown()
 
@@ -135,6 +191,7 @@ class VLLMRollout:
     ) -> None:
         """Load new actor weights into the draft engine (in-process path of DESIGN.md §6), from a
         state dict or a stream of (name, tensor) pairs consumed once, in order."""
+        self.wake_up(("weights",))
         engine = self.engines.draft.llm_engine.engine_core.engine_core
         runner = engine.model_executor.driver_worker.worker.model_runner
         runner.reload_weights(
@@ -204,6 +261,7 @@ class VLLMRollout:
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sample `n` responses per prompt; with guidance, speculative or mix mode. EasyR1 layout out."""
+        self.wake_up()
         guidance = self.config.offpolicy_guidance
         meta = prompts.meta_info
         n = meta.get("n", self.config.n)

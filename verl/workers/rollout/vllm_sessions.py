@@ -182,6 +182,11 @@ class SessionEngine:
                 finished[out.request_id] = self._running.pop(out.request_id)
         return finished
 
+    @property
+    def session_ids(self) -> list[str]:
+        """The open sessions."""
+        return list(self._open)
+
     def close(self, session_ids=None) -> None:
         """Free sessions (all open ones by default) and their KV cache."""
         ids = sorted(self._open if session_ids is None else set(session_ids) & set(self._open))

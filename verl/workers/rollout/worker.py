@@ -1,5 +1,5 @@
-"""The rollout as Ray actors: `RolloutWorker` owns one replica's vLLM engines (the draft here; the
-guidance, when enabled, in a child process), and `RolloutGroup` drives `num_replicas` of them."""
+"""The rollout as Ray actors: `RolloutWorker` owns one replica's draft engine, `GuidanceService`
+actors the guidance engines (`guidance_service.py`), and `RolloutGroup` drives them all."""
 
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ from ray.util.queue import Queue
 
 from verl.protocol import DataProto
 from verl.utils.shared_tensors import from_shared
+from verl.workers.placement import Placement
 from verl.workers.rollout.config import RolloutConfig
 
 
 class RolloutWorker:
     """Generates sequences with `VLLMRollout` and takes weight updates from the actor."""
 
-    def __init__(self, model_path: str, config: RolloutConfig, num_replicas: int = 1) -> None:
+    def __init__(self, model_path: str, config: RolloutConfig, num_replicas: int = 1,
+                 own_guidance: bool = True) -> None:  # fmt: skip
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not torch.cuda.is_available() and num_replicas > 1:  # CPU: the replicas share the cores
             cores = max(1, len(os.sched_getaffinity(0)) // num_replicas)
@@ -32,12 +34,23 @@ class RolloutWorker:
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.rollout = VLLMRollout(
-            model_path, config, tokenizer.eos_token_id, tokenizer.pad_token_id
+            model_path, config, tokenizer.eos_token_id, tokenizer.pad_token_id, own_guidance
         )
 
+    def node_id(self) -> str:
+        """The Ray node this replica runs on."""
+        return ray.get_runtime_context().get_node_id()
+
+    def connect_guidance(self, address: tuple, authkey: bytes, name: str) -> None:
+        """Reach the guidance through the `GuidanceService` at `address` (named `name` in errors)."""
+        self.rollout.connect_guidance(address, authkey, name)
+
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """`VLLMRollout.generate_sequences` (EasyR1 layout, guidance tensors when enabled)."""
-        return self.rollout.generate_sequences(prompts)
+        """`VLLMRollout.generate_sequences` (EasyR1 layout, guidance tensors when enabled); the
+        engines then sleep while the actor computes (`free_cache_engine`, CUDA only)."""
+        out = self.rollout.generate_sequences(prompts)
+        self.rollout.sleep()
+        return out
 
     def sync_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a whole state dict into the draft engine (tests, tools)."""
@@ -132,22 +145,97 @@ def replica_rows(rows: int, num_replicas: int) -> list[tuple[int, int]]:
 
 
 class RolloutGroup:
-    """`num_replicas` `RolloutWorker` Ray actors, each with its own engines. A batch of prompts is
-    split by whole prompts (all `n` samples of a prompt on one replica) and comes back in its
-    order; sequences are seeded by their row in the whole batch (`sequence_seeds`), so the tokens
-    do not depend on the number of replicas."""
+    """`num_replicas` `RolloutWorker` Ray actors, each with its own draft engine, and with guidance
+    `offpolicy_guidance.num_replicas` `GuidanceService` actors (draft replica i uses service
+    i mod that number). A batch of prompts is split by whole prompts (all `n` samples of a prompt
+    on one replica) and comes back in its order; sequences are seeded by their row in the whole
+    batch (`sequence_seeds`), so the tokens depend neither on the number of draft replicas nor on
+    how many guidance services they share. A guidance service that dies fails the call with
+    `GuidanceLost`; the group then restarts the services and retries once before giving up."""
 
-    def __init__(self, num_replicas: int, model_path: str, config: RolloutConfig,
-                 num_cpus: float = 1, num_gpus: float = 0) -> None:  # fmt: skip
+    def __init__(self, num_replicas: int, model_path: str, config: RolloutConfig, num_cpus: float = 1,
+                 num_gpus: float = 0, guidance_gpus: float = 0, placement: Placement | None = None,
+                 guidance_placement: Placement | None = None) -> None:  # fmt: skip
+        self.model_path, self.config, self._guidance_gpus = model_path, config, guidance_gpus
+        self.placement, self.guidance_placement, self.services = placement, guidance_placement, []
+        self.service_where: list[tuple] = []  # each guidance service's Ray node and placement group
+        self._serving: list[ray.ObjectRef] = []
+        guided = config.offpolicy_guidance.enable
         remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(RolloutWorker)
         self.replicas = [
-            remote.remote(model_path, config, num_replicas) for _ in range(num_replicas)
-        ]
+            remote.options(**self._slot(j, num_replicas)).remote(model_path, config, num_replicas, not guided)
+            for j in range(num_replicas)
+        ]  # fmt: skip
         self.queues = [Queue(QUEUE_DEPTH, actor_options={"num_cpus": 0}) for _ in self.replicas]
+        if guided:  # the guidance engines build while the draft engines do
+            self._start_guidance()
         ray.get([r.__ray_ready__.remote() for r in self.replicas])
+        if guided:
+            self._connect_guidance()
+
+    def _start_guidance(self) -> None:
+        """Start `offpolicy_guidance.num_replicas` services (their engines build in the background)."""
+        from verl.workers.rollout.guidance_service import GuidanceService
+        from verl.workers.rollout.vllm_rollout_spmd import engine_args
+
+        drafts = len(self.replicas)
+        count = self.config.offpolicy_guidance.num_replicas or drafts  # (None: one per replica)
+        _, kwargs, _ = engine_args(self.model_path, self.config)
+        # CPU: the services have half the cores (each replica's draft engine the rest of its share)
+        threads = None if torch.cuda.is_available() else max(1, len(os.sched_getaffinity(0)) // 2)
+        remote = ray.remote(num_cpus=0, num_gpus=self._guidance_gpus)(GuidanceService)
+        # service j on dedicated GPU j, or beside its first draft replica (j), on its GPU and node
+        where = [{"scheduling_strategy": self.guidance_placement.slot(j)} if self.guidance_placement
+                 else self._slot(j, drafts) for j in range(count)]  # fmt: skip
+        shared = self.guidance_placement is None
+        self.services = [remote.options(**where[j]).remote(kwargs, len(range(j, drafts, count)), threads, shared)
+                         for j in range(count)]  # fmt: skip
+
+    def _slot(self, replica: int, num_replicas: int) -> dict:
+        """Ray options that put draft replica `replica` (or its service) in its placement bundle."""
+        if self.placement is None:
+            return {}
+        rank = self.placement.replica_rank(replica, num_replicas)
+        return {"scheduling_strategy": self.placement.slot(rank)}
+
+    def _connect_guidance(self) -> None:
+        """Wait for the services, start them serving, and connect every draft replica to its own."""
+        addresses = ray.get([s.address.remote() for s in self.services])
+        self.service_where = [(info["node_id"], info["placement_group"]) for *_, info in addresses]
+        self._serving = [s.serve.remote() for s in self.services]
+        count = len(self.services)
+        ray.get([r.connect_guidance.remote(*addresses[i % count][:2], f"guidance replica {i % count}")
+                 for i, r in enumerate(self.replicas)])  # fmt: skip
+
+    def restart_guidance(self) -> None:
+        """Kill every guidance service (a dead one included) and start and connect new ones."""
+        for service in self.services:
+            ray.kill(service)
+        self._serving = []
+        self._start_guidance()
+        self._connect_guidance()
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Every replica generates its rows at once; one DataProto in the prompts' order."""
+        """Every replica generates its rows at once; one DataProto in the prompts' order. A lost
+        guidance service is restarted once and the batch generated again."""
+        from verl.workers.rollout.guidance_server import GuidanceLost
+
+        try:
+            return self._generate(prompts)
+        except GuidanceLost as exc:
+            print(
+                f"warning: {_first_line(exc)}; restarting the guidance and retrying once",
+                flush=True,
+            )
+            self.restart_guidance()
+            try:
+                return self._generate(prompts)
+            except GuidanceLost as again:
+                raise GuidanceLost(
+                    f"{_first_line(again)}, again after a restart; giving up"
+                ) from None
+
+    def _generate(self, prompts: DataProto) -> DataProto:
         first = int(prompts.meta_info.get("first_row", 0))
         refs = []
         for replica, (a, b) in zip(self.replicas, replica_rows(len(prompts), len(self.replicas))):
@@ -155,7 +243,11 @@ class RolloutGroup:
                 part = prompts.index_select(slice(a, b))
                 part.meta_info = {**prompts.meta_info, "first_row": first + a}
                 refs.append(replica.generate_sequences.remote(part))
-        outs = ray.get(refs)
+        try:
+            outs = ray.get(refs)
+        except Exception:
+            ray.wait(refs, num_returns=len(refs))  # let every replica finish (or fail) first
+            raise
         metas = [out.meta_info for out in outs]
         for out in outs:
             out.meta_info = {}
@@ -182,11 +274,18 @@ class RolloutGroup:
         return [m["peak_extra_bytes"] for m in ray.get(done)]
 
     def shutdown(self) -> None:
-        """Stop every replica's guidance process, then kill the actors (a stuck one included)."""
+        """Close every replica's guidance connection (or child process), then kill the actors
+        and the guidance services (a stuck one included)."""
         try:
             ray.get([r.shutdown.remote() for r in self.replicas], timeout=60)
         except Exception:  # a dead or stuck replica is killed below either way
             pass
-        for actor in (*self.replicas, *(q.actor for q in self.queues)):
+        for actor in (*self.replicas, *(q.actor for q in self.queues), *self.services):
             ray.kill(actor)
-        self.replicas, self.queues = [], []
+        self.replicas, self.queues, self.services, self._serving = [], [], [], []
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error's own message, first line (a Ray task error carries the remote traceback too)."""
+    text = str(getattr(exc, "cause", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,71 @@
+"""Two guided steps on a two-node Ray cluster started on this machine (`ray.cluster_utils`): the
+trainer's placement groups put one FSDP rank and one draft replica on each node, and the guidance
+services either beside the replicas (colocated) or in bundles of their own on each node
+(`offpolicy_guidance.n_gpus_per_node`, dedicated GPUs on a GPU cluster); the run trains."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_e2e_training import assert_trained, overrides
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.parametrize("dedicated", [0, 1], ids=["colocated", "dedicated"])
+def test_two_guided_steps_spread_over_two_nodes(assets, tmp_path, monkeypatch, dedicated):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from verl.trainer.config import load_config
+    from verl.trainer.main import prepare, start_ray
+    from verl.trainer.ray_trainer import RayPPOTrainer
+
+    # 2 CPUs a node: one bundle of a rank and a replica (1.5) fits, two do not; a dedicated
+    # guidance bundle (0.5) fits beside it
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    run_dir = str(tmp_path / "run")
+    extra = {"trainer": {"nnodes": 2, "n_gpus_per_node": 1, "val_before_train": False},
+             "worker": {"rollout": {"num_replicas": 2, "offpolicy_guidance": {"n_gpus_per_node": dedicated}}}}  # fmt: skip
+    trainer = None
+    try:
+        prepared = prepare(load_config(overrides=overrides(assets, run_dir, **extra)))
+        start_ray(prepared.config)  # joins RAY_ADDRESS
+        trainer = RayPPOTrainer(prepared.config, prepared.train, prepared.val, prepared.reward,
+                                prepared.val_reward)  # fmt: skip
+        trainer.init_workers()
+        ranks = [
+            (e["node_id"], e["placement_group"])
+            for e in trainer.actor_wg.execute_all("environment")
+        ]
+        replicas = ray.get([r.node_id.remote() for r in trainer.rollout.replicas])
+        services = trainer.rollout.service_where
+        groups = {
+            "main": [g.id.hex() for g in trainer.placement.groups],
+            "guidance": [g.id.hex() for g in trainer.guidance_placement.groups]
+            if dedicated
+            else [],
+        }
+        trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+    nodes = [node for node, _ in ranks]
+    assert len(set(nodes)) == 2  # rank 0 on one node, rank 1 on the other, each in its node's group
+    assert [group for _, group in ranks] == groups["main"]
+    assert replicas == nodes  # each draft replica beside its rank
+    assert [node for node, _ in services] == nodes  # a guidance service on each node ...
+    # ... in its replica's bundle, or in the node's dedicated guidance bundle
+    assert [group for _, group in services] == (groups["guidance"] if dedicated else groups["main"])
+    with open(f"{run_dir}/experiment_log.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    steps = [r for r in rows if "critic/score/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["guidance/offpolicy_token_ratio"] > 0 for r in steps)
+    assert_trained(assets, run_dir, rows)

@@ -1,0 +1,63 @@
+"""Where the trainer's Ray actors run: one placement group per node, one bundle per GPU (EasyR1's
+hybrid engine). Bundle i of node n holds FSDP rank n * per_node + i, and with it its share of a
+draft replica and of that replica's guidance service, so a GPU's actors stay on that GPU's node.
+
+Used when the run spans nodes (`trainer.nnodes > 1`) or GPUs; a one-node CPU run lets Ray place
+its few actors itself. The placement groups are created before any actor, and a cluster that
+cannot hold them fails in `PLACEMENT_TIMEOUT_S` with one line instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+PLACEMENT_TIMEOUT_S = 120.0
+"""Seconds to wait for the cluster to grant every node's bundles."""
+
+
+@dataclass
+class Placement:
+    """Per-node placement groups of `per_node` bundles of `bundle` resources each."""
+
+    groups: list[PlacementGroup]
+    per_node: int
+    bundle: dict[str, float]
+
+    @classmethod
+    def create(cls, nnodes: int, per_node: int, bundle: dict[str, float]) -> Placement:
+        """Reserve the bundles (STRICT_PACK: a node's bundles on one node); one line on failure."""
+        groups = [placement_group([dict(bundle)] * per_node, strategy="STRICT_PACK") for _ in range(nnodes)]  # fmt: skip
+        ready, _ = ray.wait(
+            [g.ready() for g in groups], num_returns=nnodes, timeout=PLACEMENT_TIMEOUT_S
+        )
+        if len(ready) < nnodes:
+            for g in groups:
+                remove_placement_group(g)
+            raise RuntimeError(
+                f"the Ray cluster granted {len(ready)} of trainer.nnodes = {nnodes} nodes of "
+                f"trainer.n_gpus_per_node = {per_node} bundles of {bundle} within "
+                f"{PLACEMENT_TIMEOUT_S:.0f} s; `ray status` shows what it has"
+            )
+        return cls(groups, per_node, dict(bundle))
+
+    def slot(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        """The scheduling strategy that puts an actor in rank `rank`'s bundle."""
+        group = self.groups[rank // self.per_node]
+        return PlacementGroupSchedulingStrategy(
+            placement_group=group, placement_group_bundle_index=rank % self.per_node
+        )
+
+    def replica_rank(self, replica: int, num_replicas: int) -> int:
+        """The rank whose bundle holds draft replica `replica` (replicas spread evenly over
+        ranks: with tensor-parallel width w, replica j's first GPU is rank j * w)."""
+        return replica * len(self.groups) * self.per_node // num_replicas
+
+    def remove(self) -> None:
+        """Give the bundles back (after the actors in them are gone)."""
+        for g in self.groups:
+            remove_placement_group(g)
+        self.groups = []
