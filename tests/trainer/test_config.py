@@ -507,6 +507,22 @@ ERROR_CASES = [
         ["'bogus", "<root>", "algorithm", "data", "trainer", "worker"],
     ),
     ("wrong_type", ["worker.rollout.n=abc"], ["worker.rollout.n", "abc"]),
+    ("zero_replicas", ["worker.rollout.num_replicas=0"], ["worker.rollout.num_replicas=0"]),
+    (
+        "more_guidance_than_drafts",
+        ["worker.rollout.num_replicas=2", f"{GUIDANCE}.num_replicas=3"],
+        [f"{GUIDANCE}.num_replicas=3", "at most worker.rollout.num_replicas = 2"],
+    ),
+    (
+        "wide_guidance",
+        [f"{GUIDANCE}.tensor_parallel_size=2"],
+        [f"{GUIDANCE}.tensor_parallel_size=2", "expected 1"],
+    ),
+    (
+        "zero_bucket",
+        ["worker.rollout.weight_sync_bucket_mb=0"],
+        ["worker.rollout.weight_sync_bucket_mb=0"],
+    ),
     ("no_equals", ["worker.rollout.n"], ["'worker.rollout.n'", "key=value"]),
 ]
 
@@ -658,3 +674,21 @@ def test_responses_must_split_evenly_over_the_workers():
 )
 def test_reward_function_default_follows_the_data(args, expected):
     assert load_config(args).worker.reward.reward_function == expected
+
+
+def test_replica_counts_resolve_in_the_post_init_pass():
+    """CPU: one draft replica and one guidance engine per draft replica; with dedicated guidance
+    GPUs, one engine per dedicated GPU (2 nodes x 1), never more than the draft replicas."""
+    auto = load_config([])
+    assert (
+        auto.worker.rollout.num_replicas == 1
+        and auto.worker.rollout.offpolicy_guidance.num_replicas == 1
+    )
+    dedicated = load_config(
+        ["trainer.nnodes=2", "worker.rollout.num_replicas=4", f"{GUIDANCE}.n_gpus_per_node=1"]
+    )
+    assert dedicated.worker.rollout.offpolicy_guidance.num_replicas == 2
+    capped = load_config(
+        ["trainer.nnodes=2", f"{GUIDANCE}.n_gpus_per_node=3"]
+    )  # 6 GPUs, 1 draft replica
+    assert capped.worker.rollout.offpolicy_guidance.num_replicas == 1

@@ -21,7 +21,7 @@ class OffPolicyGuidanceConfig:
     model_path: str | None = None
     """Local path of the guidance model (must share the draft's tokenizer)."""
     tensor_parallel_size: int = 1
-    """Tensor-parallel width of the guidance engine."""
+    """Tensor-parallel width of the guidance engine (1: one GPU per engine; wider is not supported yet)."""
     gpu_memory_utilization: float = 0.3
     """Share of GPU memory the guidance engine may use."""
     num_replicas: int | None = None
@@ -72,7 +72,9 @@ class OffPolicyGuidanceConfig:
         check_range(
             f"{prefix}.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True
         )
-        check_range(f"{prefix}.tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.tensor_parallel_size != 1:
+            fail(f"{prefix}.tensor_parallel_size", self.tensor_parallel_size,
+                 "expected 1: a guidance engine holds one GPU (more engines: offpolicy_guidance.num_replicas)")  # fmt: skip
         if self.num_replicas is not None:
             check_range(f"{prefix}.num_replicas", self.num_replicas, 1)
         check_range(f"{prefix}.n_gpus_per_node", self.n_gpus_per_node, 0)
