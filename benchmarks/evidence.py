@@ -72,6 +72,21 @@ prompts, so that the whole plan fits in 90 minutes on two cores)."""
 CELL_NAMES = tuple(c.name for c in CELLS)
 THRESHOLD_GAIN = 0.20
 """Steps to threshold: the first validation step 20 accuracy points above the draft's start."""
+TUNE_SEED = 99
+"""The seed learning rates are tuned on (`--tune`); the table reports seeds 0, 1, 2, ..."""
+TUNE_LRS = (5e-5, 1e-4, 2e-4)
+"""The learning rates `--tune` tries per cell (5e-4 and up drove a draft to 0 in earlier runs)."""
+LR = {"grpo": 1e-4, "spec_exact": 1e-4, "spec_provenance": 1e-4, "spec_luffy": 1e-4, "mix": 1e-4,
+      "distill": 5e-5, "spec_distill": 1e-4}  # fmt: skip
+"""Cell -> its learning rate: the picks of `--tune` (results/evidence/tuning.json; a test keeps
+them equal). Diagnosis cells take speculative-exact's, the cell they vary."""
+
+
+def lr_of(cell: Cell) -> float:
+    """The cell's tuned learning rate."""
+    return LR.get(cell.name, LR["spec_exact"])
+
+
 TRL_RESERVE_S = 360.0
 """Seconds of the budget kept for the TRL side-by-side at its default 10 steps (install included)."""
 TASK_DRAFTS = {"arithmetic": {"weak": 325, "base": 425}, "arithmetic3": {"weak": 600, "base": 800}}
@@ -269,40 +284,85 @@ def report(out: Path, steps: int) -> str:
     return text
 
 
+def run_once(args: list[str], run_dir: Path, dest: Path, steps: int) -> bool:
+    """Runs one training command into `run_dir` unless a complete run of the same command is
+    there already; copies its log to `dest`. True if it ran (False: reused)."""
+    log, stamp = run_dir / "experiment_log.jsonl", run_dir / "command.json"
+    same = stamp.exists() and json.loads(stamp.read_text()) == args
+    if not (same and log.exists() and is_complete(read_log(log), steps)):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        t0 = time.perf_counter()
+        with open(run_dir / "stdout.txt", "w") as f:
+            rc = subprocess.run(args, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+        ok = rc == 0 and log.exists() and is_complete(read_log(log), steps)
+        print(f"{run_dir.relative_to(run_dir.parents[2])}: {'ok' if ok else f'FAILED (rc {rc})'} "
+              f"in {time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
+        if not ok:
+            raise SystemExit(f"error: run {run_dir} failed; see {run_dir / 'stdout.txt'}")
+        stamp.write_text(json.dumps(args))
+        same = False
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(log, dest)
+    return not same
+
+
 def run_plan(models: dict[str, str], guidance: str, cells: list[Cell], seeds: int, steps: int,
              val_freq: int, out: Path, runs: Path, budget_s: float, extra: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
-    """Runs every (seed, draft, cell) not already complete, seed by seed, until the budget is
-    spent; returns the runs left out."""
+    """Runs every (seed, draft, cell) not already complete, seed by seed, each at its cell's
+    tuned learning rate, until the budget is spent; returns the runs left out."""
     start, skipped = time.perf_counter(), []
     for seed in range(seeds):
         for draft, path in models.items():
             for cell in (c for c in cells if draft in c.drafts):
-                run_dir = runs / draft / cell.name / f"seed{seed}"
-                log = run_dir / "experiment_log.jsonl"
-                dest = out / "logs" / draft / cell.name / f"seed{seed}.jsonl"
-                if log.exists() and is_complete(read_log(log), steps):
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(log, dest)
-                    continue
                 if time.perf_counter() - start > budget_s:
                     skipped.append(f"{draft}/{cell.name}/seed{seed}")
                     continue
-                shutil.rmtree(run_dir, ignore_errors=True)
-                run_dir.mkdir(parents=True)
-                args = run_args(cell, path, guidance, seed, steps, val_freq, run_dir, extra)
-                t0 = time.perf_counter()
-                with open(run_dir / "stdout.txt", "w") as f:
-                    rc = subprocess.run(
-                        args, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT
-                    ).returncode
-                ok = rc == 0 and log.exists() and is_complete(read_log(log), steps)
-                print(f"{draft}/{cell.name}/seed{seed}: {'ok' if ok else f'FAILED (rc {rc})'} "
-                      f"in {time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
-                if not ok:
-                    raise SystemExit(f"error: run {run_dir} failed; see {run_dir / 'stdout.txt'}")
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(log, dest)
+                run_dir = runs / draft / cell.name / f"seed{seed}"
+                args = run_args(cell, path, guidance, seed, steps, val_freq, run_dir,
+                                (f"worker.actor.optim.lr={lr_of(cell)}", *extra))  # fmt: skip
+                run_once(
+                    args, run_dir, out / "logs" / draft / cell.name / f"seed{seed}.jsonl", steps
+                )
     return skipped
+
+
+def tune(draft: str, guidance: str, cells: list[Cell], steps: int, val_freq: int, out: Path,
+         runs: Path, extra: tuple[str, ...] = (), label: str = "base") -> dict:  # fmt: skip
+    """Every main cell at every `TUNE_LRS` on `TUNE_SEED` (never reported), from `draft`; the
+    pick per cell is the learning rate with the highest mean held-out accuracy over the
+    validation steps after 0 (the area under its learning curve: fast learning is the question).
+    Writes tuning.json and tuning.md under `out`; returns the json."""
+    result = {"seed": TUNE_SEED, "draft": label, "steps": steps, "lrs": list(TUNE_LRS), "cells": {}}
+    for cell in (c for c in cells if not c.diagnosis):
+        scores = {}
+        for lr in TUNE_LRS:
+            run_dir = runs / cell.name / f"lr{lr:g}"
+            args = run_args(cell, draft, guidance, TUNE_SEED, steps, val_freq, run_dir,
+                            (f"worker.actor.optim.lr={lr}", *extra))  # fmt: skip
+            dest = out / "tuning" / cell.name / f"lr{lr:g}.jsonl"
+            run_once(args, run_dir, dest, steps)
+            c = curve(read_log(dest))
+            scores[f"{lr:g}"] = statistics.fmean(
+                a for s, a in zip(c["step"], c["accuracy"]) if s > 0
+            )
+        pick = max(scores, key=lambda k: scores[k])
+        result["cells"][cell.name] = {"label": cell.label, "scores": scores, "pick": float(pick)}
+    (out / "tuning.json").write_text(json.dumps(result, indent=1))
+    (out / "tuning.md").write_text(tuning_markdown(result))
+    return result
+
+
+def tuning_markdown(result: dict) -> str:
+    """tuning.md: each cell's score at every learning rate tried, and its pick."""
+    lines = [f"Learning rate per cell, tuned on seed {result['seed']} (not reported) from the {result['draft']} "
+             f"draft, {result['steps']} steps: mean held-out accuracy (%) over the validation steps after 0.", "",
+             "| cell | " + " | ".join(f"lr {lr:g}" for lr in TUNE_LRS) + " | pick |",
+             "| --- |" + " --- |" * (len(TUNE_LRS) + 1)]  # fmt: skip
+    for r in result["cells"].values():
+        row = [r["label"], *(_pct(r["scores"][f"{lr:g}"]) for lr in TUNE_LRS), f"{r['pick']:g}"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def build_models(task: str, drafts: list[str]) -> tuple[dict[str, str], str]:
@@ -338,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="table and plots from the logs")
     parser.add_argument("--set", nargs="*", default=[], help="key=value added to every run")
     parser.add_argument("--trl-steps", type=int, default=10, help="TRL side-by-side (0: skip)")
+    parser.add_argument("--tune", action="store_true",
+                        help=f"tune each cell's lr on seed {TUNE_SEED} (base draft) and stop")  # fmt: skip
     args = parser.parse_args(argv)
     cells = [c for c in CELLS if c.name in args.cells.split(",")]
     unknown = set(args.cells.split(",")) - set(CELL_NAMES)
@@ -349,6 +411,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out or (RESULTS if default else RESULTS.parent / f"evidence_{args.task}")
     args.runs = args.runs or (RUNS if default else RUNS / args.task)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.tune:
+        models, guidance = build_models(args.task, ["base"])
+        label = f"base (supervised step {TASK_DRAFTS[args.task]['base']})"
+        result = tune(models["base"], guidance, cells, args.steps, args.val_freq, args.out,
+                      RUNS.parent / "tune" / args.task, (*TASK_SET[args.task], *args.set), label)  # fmt: skip
+        print((args.out / "tuning.md").read_text())
+        print("LR = " + repr({k: v["pick"] for k, v in result["cells"].items()}))
+        return 0
     if not args.report_only:
         models, guidance = build_models(args.task, args.drafts.split(","))
         reserve = TRL_RESERVE_S if args.trl_steps else 0.0

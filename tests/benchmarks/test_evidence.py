@@ -109,3 +109,79 @@ def test_bad_cell_is_refused_in_one_line(capsys):
     with pytest.raises(SystemExit):
         E.main(["--cells", "grpo,nope", "--report-only"])
     assert "nope" in capsys.readouterr().err
+
+
+def _fake_run(run_dir: Path, steps: int, acc: float) -> list[str]:
+    """A command that writes a complete run log (validation at 0 and `steps`) into `run_dir`."""
+    rows = json.dumps(
+        [{"step": 0, "val/reward_score": 0.1}, {"step": steps, "val/reward_score": acc}]
+    )
+    code = ("import json, sys; open(sys.argv[1], 'w').write("
+            "''.join(json.dumps(r) + '\\n' for r in json.loads(sys.argv[2])))")  # fmt: skip
+    return [sys.executable, "-c", code, str(run_dir / "experiment_log.jsonl"), rows]
+
+
+def test_run_once_reuses_a_run_only_for_the_same_command(tmp_path):
+    run_dir, dest = tmp_path / "runs" / "base" / "grpo" / "seed0", tmp_path / "logs" / "seed0.jsonl"
+    assert E.run_once(_fake_run(run_dir, 2, 0.5), run_dir, dest, 2)  # ran
+    assert E.read_log(dest)[-1]["val/reward_score"] == 0.5
+    assert not E.run_once(_fake_run(run_dir, 2, 0.5), run_dir, dest, 2)  # same command: reused
+    assert E.run_once(_fake_run(run_dir, 2, 0.7), run_dir, dest, 2)  # another command: ran again
+    assert E.read_log(dest)[-1]["val/reward_score"] == 0.7
+    with pytest.raises(SystemExit, match="failed"):  # a run that stops short is an error
+        E.run_once(_fake_run(run_dir, 1, 0.7), run_dir, dest, 2)
+
+
+def test_tune_picks_the_lr_with_the_best_mean_accuracy_after_step_0(tmp_path, monkeypatch):
+    curves = {  # (cell, lr) -> validation accuracy at steps 0, 2, 4
+        ("grpo", 5e-5): {0: 0.3, 2: 0.40, 4: 0.50},  # mean after 0: (0.40 + 0.50)/2 = 0.45
+        ("grpo", 1e-4): {0: 0.3, 2: 0.50, 4: 0.52},  # (0.50 + 0.52)/2 = 0.51  <- pick
+        ("grpo", 2e-4): {0: 0.3, 2: 0.35, 4: 0.60},  # (0.35 + 0.60)/2 = 0.475 (best final only)
+        ("mix", 5e-5): {0: 0.3, 2: 0.45, 4: 0.55},  # 0.50
+        ("mix", 1e-4): {0: 0.3, 2: 0.30, 4: 0.40},  # 0.35
+        ("mix", 2e-4): {0: 0.3, 2: 0.90, 4: 0.05},  # 0.475
+    }
+
+    def fake_run_once(args, run_dir, dest, steps):
+        cell = run_dir.parent.name
+        lr = float(next(a for a in args if a.startswith("worker.actor.optim.lr=")).split("=")[1])
+        assert "data.seed=99" in args and f"worker.actor.optim.lr={lr}" == args[-1]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text("\n".join(json.dumps(r) for r in log(curves[(cell, lr)], 1.0)) + "\n")
+        return True
+
+    monkeypatch.setattr(E, "run_once", fake_run_once)
+    cells = [
+        c for c in E.CELLS if c.name in ("grpo", "mix", "spec_no_is")
+    ]  # a diagnosis cell: not tuned
+    result = E.tune("/d", "/g", cells, 4, 2, tmp_path, tmp_path / "runs")
+    assert set(result["cells"]) == {"grpo", "mix"}
+    assert result["cells"]["grpo"]["scores"]["0.0001"] == pytest.approx(0.51)
+    assert result["cells"]["grpo"]["pick"] == 1e-4 and result["cells"]["mix"]["pick"] == 5e-5
+    assert json.loads((tmp_path / "tuning.json").read_text()) == result
+    assert (
+        "| plain GRPO (guidance off) | 45.0 | 51.0 | 47.5 | 0.0001 |"
+        in (tmp_path / "tuning.md").read_text()
+    )
+
+
+def test_each_cell_runs_at_the_committed_tuned_lr(tmp_path):
+    tuning = json.loads((E.RESULTS / "tuning.json").read_text())
+    assert tuning["seed"] == E.TUNE_SEED and tuning["lrs"] == list(E.TUNE_LRS)
+    assert E.LR == {name: r["pick"] for name, r in tuning["cells"].items()}
+    assert tuning["seed"] not in range(3)  # never one of the reported seeds
+
+
+def test_run_plan_runs_each_cell_at_its_tuned_lr(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(
+        E, "run_once", lambda args, run_dir, dest, steps: seen.setdefault(run_dir.parent.name, args)
+    )
+    monkeypatch.setattr(E, "LR", {**E.LR, "grpo": 5e-5, "spec_exact": 2e-4})
+    E.run_plan({"weak": "/d"}, "/g", list(E.CELLS), 1, 4, 2, tmp_path, tmp_path / "runs", 1e9)
+    lrs = {
+        c: float(next(a for a in args if "optim.lr=" in a).split("=")[1])
+        for c, args in seen.items()
+    }
+    assert lrs["grpo"] == 5e-5 and lrs["spec_exact"] == 2e-4 and lrs["mix"] == E.LR["mix"]
+    assert lrs["spec_no_is"] == 2e-4  # a diagnosis cell takes the lr of the cell it varies
