@@ -51,6 +51,25 @@ class Placement:
             placement_group=group, placement_group_bundle_index=rank % self.per_node
         )
 
+    def node_of(self, rank: int) -> str:
+        """The Ray node of rank `rank`'s bundle."""
+        from ray.util import placement_group_table
+
+        table = placement_group_table(self.groups[rank // self.per_node])
+        return table["bundles_to_node_id"][rank % self.per_node]
+
+    def ranks_by_node(self, nodes: list[str | None]) -> list[int]:
+        """A distinct bundle (its rank) for each of `nodes`, on that node where one is left
+        (dedicated guidance slots follow their draft replicas' nodes); else the first free one."""
+        free = list(range(len(self.groups) * self.per_node))
+        where = {rank: self.node_of(rank) for rank in free}
+        picks = []
+        for node in nodes:
+            rank = next((r for r in free if where[r] == node), free[0])
+            free.remove(rank)
+            picks.append(rank)
+        return picks
+
     def replica_rank(self, replica: int, num_replicas: int) -> int:
         """The rank whose bundle holds draft replica `replica` (replicas spread evenly over
         ranks: with tensor-parallel width w, replica j's first GPU is rank j * w)."""

@@ -49,8 +49,9 @@ def test_a_killed_guidance_service_is_restarted_once_then_given_up_on(tmp_path, 
     guide = save_tiny_lm(str(tmp_path / "g"), TinyLMSpec(hidden_size=128, num_hidden_layers=1, vocab_size=VOCAB, seed=2))  # fmt: skip
     tok = AutoTokenizer.from_pretrained(draft)
     config = dataclasses.replace(rollout_config(guide), response_length=160, n=16)
+    prompts = [f"{i}{p}" for i in range(4) for p in PROMPTS]  # 20 x 16 x 160 tokens: seconds a call
     batch = prompt_batch(
-        tok, PROMPTS, n=16, temperature=1.0, global_step=1, lam=0.5, ignore_eos=True
+        tok, prompts, n=16, temperature=1.0, global_step=1, lam=0.5, ignore_eos=True
     )
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     group = None

@@ -184,9 +184,14 @@ class RolloutGroup:
         # CPU: the services have half the cores (each replica's draft engine the rest of its share)
         threads = None if torch.cuda.is_available() else max(1, len(os.sched_getaffinity(0)) // 2)
         remote = ray.remote(num_cpus=0, num_gpus=self._guidance_gpus)(GuidanceService)
-        # service j on dedicated GPU j, or beside its first draft replica (j), on its GPU and node
-        where = [{"scheduling_strategy": self.guidance_placement.slot(j)} if self.guidance_placement
-                 else self._slot(j, drafts) for j in range(count)]  # fmt: skip
+        # service j beside its first draft replica (j): on that replica's GPU, or on a dedicated
+        # GPU of the same node when the guidance has GPUs of its own
+        where = [self._slot(j, drafts) for j in range(count)]
+        if self.guidance_placement is not None:
+            nodes = [self.placement.node_of(self.placement.replica_rank(j, drafts)) if self.placement
+                     else None for j in range(count)]  # fmt: skip
+            slots = self.guidance_placement.ranks_by_node(nodes)
+            where = [{"scheduling_strategy": self.guidance_placement.slot(k)} for k in slots]
         shared = self.guidance_placement is None
         self.services = [remote.options(**where[j]).remote(kwargs, len(range(j, drafts, count)), threads, shared)
                          for j in range(count)]  # fmt: skip
