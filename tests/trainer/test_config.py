@@ -233,6 +233,38 @@ def test_overrides_dict_overrides_yaml_and_cli(example_yaml):
     assert config.trainer.save_checkpoint_path == os.path.join("checkpoints", "my_project", "ovr")
 
 
+def test_empty_cli_value_means_empty_string_for_keys_whose_default_is_empty(example_yaml):
+    # OmegaConf alone reads `data.val_files=` as None, which a str field refuses
+    config = load_config([f"config={example_yaml}", "data.val_files="])
+    assert config.data.val_files == ""  # the YAML's data/math@test is cleared: no validation set
+    assert config.data.train_files == "data/math@train"
+    assert load_config(["data.train_files=", "data.val_files="]).data.train_files == ""
+    # an explicit empty string and the empty value agree
+    assert load_config(["data.val_files=''"]).data.val_files == ""
+
+
+def test_empty_cli_value_is_none_for_optional_keys_and_refused_for_other_str_keys(example_yaml):
+    assert load_config(["data.format_prompt="]).data.format_prompt is None
+    with pytest.raises(ConfigError, match=r"^data\.prompt_key: empty value; give a string"):
+        load_config([f"config={example_yaml}", "data.prompt_key="])
+    with pytest.raises(ConfigError, match=r"algorithm\.adv_estimator: empty value"):
+        load_config(["algorithm.adv_estimator="])
+    # a non-str key keeps OmegaConf's one-line type error; an unknown key its key list
+    with pytest.raises(ConfigError, match=r"data\.max_prompt_length: .*'int'"):
+        load_config(["data.max_prompt_length="])
+    with pytest.raises(ConfigError, match=r"unknown config key 'data\.val_file'"):
+        load_config(["data.val_file="])
+
+
+def test_cli_with_empty_val_files_runs_without_validation_set(example_yaml, capsys):
+    from verl.trainer.main import main
+
+    # the argument list exactly as the shell hands it over: `... data.val_files=` (empty value)
+    assert main(["--dry-run", f"config={example_yaml}", "data.val_files="]) == 0
+    out = capsys.readouterr().out
+    assert "  val_files: ''\n" in out and "  train_files: data/math@train\n" in out
+
+
 # ---------------------------------------------------------------------------------- field docs
 
 VERL_ROOT = Path(verl.__file__).parent

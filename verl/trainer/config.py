@@ -1,9 +1,11 @@
 """PPO/GRPO configuration (EasyR1 style): nested dataclasses merged with OmegaConf.
 
 Merge order: structured defaults <- YAML (`config=path.yaml`, repeatable: a base, then overlays
-such as `config=configs/otb.yaml`, in order) <- CLI dot-list (`worker.rollout.n=8`). `load_config` then runs the one post-init pass (`PPOConfig.post_init`)
-that fills derived ("auto") keys and validates everything, so a bad value fails in one line that
-names the key, the value and the valid choices, before Ray or any engine starts.
+such as `config=configs/otb.yaml`, in order) <- CLI dot-list (`worker.rollout.n=8`; an empty
+value, `data.val_files=`, is "" for a str key whose default is "" and None for an optional key).
+`load_config` then runs the one post-init pass (`PPOConfig.post_init`) that fills derived
+("auto") keys and validates everything, so a bad value fails in one line that names the key, the
+value and the valid choices, before Ray or any engine starts.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from omegaconf.nodes import StringNode
 
 from verl.trainer.core_algos.advantage import ADV_ESTIMATORS, needs_sum_pi_squared
 from verl.trainer.core_algos.distill import DISTILL_MODES
@@ -31,7 +34,7 @@ class DataConfig:
     train_files: str = ""
     """Training data: jsonl/parquet path, a local `datasets` folder, or `name@split`."""
     val_files: str = ""
-    """Validation data, same forms as train_files."""
+    """Validation data, same forms as train_files ("": none; `data.val_files=` on the CLI)."""
     prompt_key: str = "prompt"
     """Column holding the prompt."""
     answer_key: str = "answer"
@@ -340,6 +343,38 @@ def _explain(error: OmegaConfBaseException) -> str:
     return f"{key}: {msg}"
 
 
+def _schema_node(schema: DictConfig, key: str) -> Any:
+    """The schema's node for dotted `key`, or None when no such key exists."""
+    parent, _, leaf = key.rpartition(".")
+    try:
+        holder = OmegaConf.select(schema, parent) if parent else schema
+        return holder._get_node(leaf) if isinstance(holder, DictConfig) else None
+    except Exception:  # an unknown or non-dict parent: OmegaConf's merge names it
+        return None
+
+
+def _parse_dotlist(schema: DictConfig, dotlist: Sequence[str]) -> DictConfig:
+    """The CLI's `a.b=c` arguments as a config, with `key=` (an empty value) read by the schema.
+
+    OmegaConf reads an empty value as None. For a str key whose default is "" (data.val_files:
+    "" means no validation set) `key=` means ""; for an optional key it means None; another str
+    key refuses it in one line, since an empty name or path there is a mistake.
+    """
+    parsed = OmegaConf.from_dotlist(list(dotlist))
+    for arg in dotlist:
+        key, value = arg.split("=", 1)
+        node = _schema_node(schema, key) if value == "" else None
+        if not isinstance(node, StringNode) or node._is_optional():
+            continue
+        if node._value() != "":
+            raise ConfigError(
+                f"{key}: empty value; give a string (only keys whose default is empty, such as "
+                "data.val_files, accept `key=`)"
+            )
+        OmegaConf.update(parsed, key, "", merge=False)
+    return parsed
+
+
 def load_config(args: Sequence[str] = (), overrides: dict[str, Any] | None = None) -> PPOConfig:
     """Parse `config=path.yaml` and `a.b=c` arguments (and a dict of overrides) into a PPOConfig.
 
@@ -364,7 +399,7 @@ def load_config(args: Sequence[str] = (), overrides: dict[str, Any] | None = Non
                 raise ConfigError(f"config file {yaml_path!r} not found")
             merged = OmegaConf.merge(merged, OmegaConf.load(yaml_path))
         if dotlist:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotlist))
+            merged = OmegaConf.merge(merged, _parse_dotlist(schema, dotlist))
         if overrides:
             merged = OmegaConf.merge(merged, OmegaConf.create(overrides))
         config: PPOConfig = OmegaConf.to_object(merged)
