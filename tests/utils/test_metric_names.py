@@ -19,6 +19,9 @@ def test_names_are_unique_and_namespaced():
         "variance_proxy/proxy2_total_power", "variance_proxy/proxy3_pure_noise", "actor/pg_loss", "actor/ppo_kl",
         "actor/pg_clipfrac", "actor/grad_norm", "actor/lr", "actor/entropy", "actor/kl_loss",
         "distill/reverse_kl", "distill/teacher_log_prob", "distill/missing_frac", "distill/advantage_abs",
+        # the share each family of means leaves out (floor, NaN or missing inputs; issue 26)
+        "guidance/behavior_kl_excluded_frac", "guidance/guided_excluded_frac",
+        "guidance/is_weight_excluded_frac", "mismatch/excluded_frac", "distill/excluded_frac",
     ):  # fmt: skip
         assert required in M.ALL_FIXED, required
 
@@ -47,6 +50,11 @@ def test_core_algorithms_emit_only_documented_names():
         )
     )
     emitted.update(C.compute_distill_metrics(old, new, mask, off, None, "k1", adv))
+    emitted.update(
+        C.compute_guidance_diagnostics(
+            off, mask, old, new, adv, adv.sum(-1), [0, 0, 1, 1], (0.0, 2.0), None, old.exp()
+        )
+    )
     assert emitted
     undocumented = [k for k in emitted if k not in M.ALL_FIXED]
     assert not undocumented, undocumented

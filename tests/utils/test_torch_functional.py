@@ -13,6 +13,7 @@ from verl.utils.torch_functional import (
     masked_sum,
     masked_var,
     masked_whiten,
+    selected_mean,
 )
 
 D = torch.float64
@@ -47,3 +48,12 @@ def test_masked_stats():
     assert not math.isnan(
         masked_stats(X[:, :1], MASK[:, :1] * torch.tensor([[1.0], [0.0]], dtype=D))["std"]
     )
+
+
+def test_selected_mean_never_reads_left_out_entries():
+    values = torch.tensor([[1.0, 2.0, float("nan")], [3.0, float("-inf"), -1e4]], dtype=D)
+    keep = torch.tensor([[True, True, False], [True, False, False]])
+    assert selected_mean(values, keep).item() == 2.0  # (1 + 2 + 3)/3
+    # masked_mean multiplies by the mask: NaN·0 = NaN leaks in
+    assert math.isnan(masked_mean(values, keep.to(D)).item())
+    assert selected_mean(values, torch.zeros_like(keep)).item() == 0.0  # empty: 0, not NaN

@@ -21,7 +21,9 @@ NAMESPACES = (
     "val",
 )
 
-# guidance/*: provenance and importance-weight statistics of guided rollouts.
+# guidance/*: provenance and importance-weight statistics of guided rollouts. A metric averages
+# only tokens whose inputs are known (finite, above LOG_PROB_FLOOR); *_excluded_frac says how many
+# it left out (the same rule holds for mismatch/* and distill/*).
 GUIDANCE_OFFPOLICY_TOKEN_RATIO = "guidance/offpolicy_token_ratio"
 GUIDANCE_OFFPOLICY_SEQ_RATIO = "guidance/offpolicy_seq_ratio"
 GUIDANCE_ACCEPT_RATE = "guidance/accept_rate"
@@ -31,12 +33,15 @@ GUIDANCE_IS_WEIGHT_STD = "guidance/is_weight_std"
 GUIDANCE_IS_WEIGHT_MIN = "guidance/is_weight_min"
 GUIDANCE_IS_WEIGHT_MAX = "guidance/is_weight_max"
 GUIDANCE_IS_CLIP_FRAC = "guidance/is_clip_frac"
+GUIDANCE_IS_WEIGHT_EXCLUDED_FRAC = "guidance/is_weight_excluded_frac"
 GUIDANCE_MISSING_LOGPROB_RATIO = "guidance/missing_logprob_ratio"
 GUIDANCE_BEHAVIOR_KL = "guidance/behavior_kl"
+GUIDANCE_BEHAVIOR_KL_EXCLUDED_FRAC = "guidance/behavior_kl_excluded_frac"
 GUIDANCE_TOPK_TAIL_MASS = "guidance/topk_tail_mass"
 # guidance/guided_*: what the update gets from the guidance tokens (diagnosis of a guided step).
 GUIDANCE_GUIDED_IS_WEIGHT_MEAN = "guidance/guided_is_weight_mean"
 GUIDANCE_GUIDED_IS_CLIP_FRAC = "guidance/guided_is_clip_frac"
+GUIDANCE_GUIDED_EXCLUDED_FRAC = "guidance/guided_excluded_frac"
 GUIDANCE_GUIDED_GRAD_SHARE = "guidance/guided_grad_share"
 GUIDANCE_GUIDED_SEQ_SCORE = "guidance/guided_seq_score"
 GUIDANCE_UNGUIDED_SEQ_SCORE = "guidance/unguided_seq_score"
@@ -47,6 +52,7 @@ MISMATCH_KL_V1 = "mismatch/kl_v1"
 MISMATCH_KL_V2 = "mismatch/kl_v2"
 MISMATCH_KL_K3 = "mismatch/kl_k3"
 MISMATCH_FORCED_TOKEN_RATIO = "mismatch/forced_token_ratio"
+MISMATCH_EXCLUDED_FRAC = "mismatch/excluded_frac"
 MISMATCH_MIS_MASKED_FRAC = "mismatch/mis_masked_frac"
 MISMATCH_GEO_MASKED_SEQ_FRAC = "mismatch/geo_masked_seq_frac"
 
@@ -61,6 +67,7 @@ VARIANCE_PROXY_EXPECTED_W = "variance_proxy/expected_w"
 DISTILL_REVERSE_KL = "distill/reverse_kl"
 DISTILL_TEACHER_LOG_PROB = "distill/teacher_log_prob"
 DISTILL_MISSING_FRAC = "distill/missing_frac"
+DISTILL_EXCLUDED_FRAC = "distill/excluded_frac"
 DISTILL_ADVANTAGE_ABS = "distill/advantage_abs"
 
 # actor/*: policy update.

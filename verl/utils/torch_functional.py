@@ -43,3 +43,11 @@ def masked_stats(values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
         return {"mean": 0.0, "std": 0.0, "min": 0.0, "max": 0.0}
     std = sel.std().item() if sel.numel() > 1 else 0.0
     return {"mean": sel.mean().item(), "std": std, "min": sel.min().item(), "max": sel.max().item()}
+
+
+def selected_mean(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Σ values over `keep` / Σ keep. Entries outside `keep` are never read, so a NaN or inf there
+    cannot leak in (masked_mean's product gives NaN·0 = NaN); an empty `keep` gives 0."""
+    keep = keep.bool()
+    picked = torch.where(keep, values, torch.zeros_like(values))
+    return masked_mean(picked, keep.to(values.dtype))

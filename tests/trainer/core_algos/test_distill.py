@@ -138,7 +138,33 @@ def test_metrics_hand_values():
     expected_q = (math.log(0.25) + 2 * math.log(0.5) + math.log(0.125) + math.log(0.9)) / 5
     assert m[M.DISTILL_TEACHER_LOG_PROB] == pytest.approx(expected_q, abs=1e-12)
     assert m[M.DISTILL_MISSING_FRAC] == pytest.approx(1 / 6)  # 1 of 6 valid tokens
-    assert m[M.DISTILL_ADVANTAGE_ABS] == pytest.approx(0.6 / 6, abs=1e-12)
+    assert m[M.DISTILL_EXCLUDED_FRAC] == pytest.approx(1 / 6)  # the missing token only
+    # |term| over the 5 scored tokens (the missing token's 0 is no value): (0.1 + 0.2 + 0.3)/5
+    assert m[M.DISTILL_ADVANTAGE_ABS] == pytest.approx(0.6 / 5, abs=1e-12)
+
+
+def test_metrics_leave_out_floor_and_unknown_tokens():
+    # the batch above with two more valid tokens: response 0 gets a token the teacher gives
+    # q = 0 exactly (the floor: k1 clamped to 20, term -β·20 = -2 at β = 0.1), response 1 one
+    # whose π_old is NaN (its k and term are NaN); neither may move a distill/* mean
+    nan = float("nan")
+    old = _t([[0.5, 0.25, 0.5, 0.8, 0.5], [0.5, 0.5, nan, 0.3, 0.3]]).log()
+    teacher = _t([[0.25, 0.5, 0.5, 0.4, 0.0], [0.125, 0.9, 0.7, 0.3, 0.3]]).log()
+    # log 0 = -inf -> the floor, as the rollout hands it to the trainer
+    teacher = teacher.clamp(min=LOG_PROB_FLOOR)
+    mask = _t([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    missing = torch.tensor([[False, False, False, True, False], [False] * 5])
+    weights = _t([[1.0, 2.0, 1.0, 1.0, 1.0], [0.5, 1.0, 1.0, 1.0, 1.0]])
+    term = _t([[0.1, -0.2, 0.0, 0.0, -2.0], [0.3, 0.0, nan, 0.0, 0.0]])
+    m = compute_distill_metrics(old, teacher, mask, missing, weights, "k1", term)
+    # the same 5 known tokens as test_metrics_hand_values, hence the same three means
+    assert m[M.DISTILL_REVERSE_KL] == pytest.approx(math.log(0.5 / 0.9) / 5, abs=1e-12)
+    expected_q = (math.log(0.25) + 2 * math.log(0.5) + math.log(0.125) + math.log(0.9)) / 5
+    assert m[M.DISTILL_TEACHER_LOG_PROB] == pytest.approx(expected_q, abs=1e-12)
+    assert m[M.DISTILL_ADVANTAGE_ABS] == pytest.approx(0.6 / 5, abs=1e-12)
+    # 8 valid tokens: 1 missing -> missing_frac 1/8; left out of the means: missing, q = 0, NaN
+    assert m[M.DISTILL_MISSING_FRAC] == pytest.approx(1 / 8, abs=1e-12)
+    assert m[M.DISTILL_EXCLUDED_FRAC] == pytest.approx(3 / 8, abs=1e-12)
 
 
 # ------------------------------------------------------------------ Monte Carlo, small vocabulary

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from verl.trainer.core_algos import compute_guidance_diagnostics
+from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR
 from verl.utils import metric_names as M
 
 # 4 responses x 3 positions, groups a = rows 0-1 and b = rows 2-3; row 1's last position is padding.
@@ -36,6 +37,7 @@ def test_hand_values():
     # guidance tokens' weights: clamp(3, 0, 2) = 2 and 0.5 -> mean 1.25; one of two clipped
     assert m[M.GUIDANCE_GUIDED_IS_WEIGHT_MEAN] == pytest.approx(1.25, abs=1e-6)
     assert m[M.GUIDANCE_GUIDED_IS_CLIP_FRAC] == pytest.approx(0.5)
+    assert m[M.GUIDANCE_GUIDED_EXCLUDED_FRAC] == 0.0
     # (w·A)²·E per valid token, E = 0.5:
     # row 0: 0.5 + (2·1)²·0.5 = 2 + 0.5 = 3.0; row 1: 0.5 + 0.5 = 1.0 (padding left out)
     # row 2: (0.5·1)²·0.5 = 0.125 + 0.5 + 0.5 = 1.125; row 3: 1.5. Total 6.625, guided 2 + 0.125
@@ -46,6 +48,22 @@ def test_hand_values():
     # group a: 1 - 0 = 1; group b: 0 - 0 = 0 -> mean 0.5
     assert m[M.GUIDANCE_GUIDED_SCORE_GAP] == pytest.approx(0.5)
     assert all(M.is_known(k) for k in m)
+
+
+def test_guidance_token_with_unknown_behavior_moves_no_metric():
+    # a third guidance token (row 3, position 0) whose μ was never reported: floor in μ, so its raw
+    # ratio exp(log 0.5 + 1e4) would count as clipped with weight 2, as the trainer's clamp makes it
+    off, behavior, weights = OFF.clone(), BEHAVIOR.clone(), WEIGHTS.clone()
+    off[3, 0], behavior[3, 0], weights[3, 0] = 1, LOG_PROB_FLOOR, 2.0
+    m = compute_guidance_diagnostics(off, MASK, OLD, behavior, ADV, SCORES, INDEX, (0.0, 2.0),
+                                     importance_weights=weights, sum_pi_squared=SUM_PI2)  # fmt: skip
+    # as in test_hand_values: (2 + 0.5)/2 = 1.25, 1 clipped of 2 (with it: 4.5/3 = 1.5, 2 of 3)
+    assert m[M.GUIDANCE_GUIDED_IS_WEIGHT_MEAN] == pytest.approx(1.25, abs=1e-6)
+    assert m[M.GUIDANCE_GUIDED_IS_CLIP_FRAC] == pytest.approx(0.5)
+    assert m[M.GUIDANCE_GUIDED_EXCLUDED_FRAC] == pytest.approx(1 / 3)  # 1 of 3 guidance tokens
+    # grad share: row 3 loses its first token (power 0.5): total 3.0 + 1.0 + 1.125 + 1.0 = 6.125,
+    # guided 2 + 0.125 = 2.125 (with it: (2·1)²·0.5 = 2 more guided power, 4.125 / 8.125)
+    assert m[M.GUIDANCE_GUIDED_GRAD_SHARE] == pytest.approx(2.125 / 6.125, rel=1e-6)
 
 
 def test_without_weights_or_sum_pi_squared():

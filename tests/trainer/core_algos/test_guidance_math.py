@@ -15,6 +15,7 @@ from verl.trainer.core_algos.guidance import (
     compute_behavior_log_probs,
     compute_guidance_metrics,
     guidance_tensors,
+    known_log_probs,
     lam_at_step,
     mixture_log_probs,
 )
@@ -106,6 +107,7 @@ def test_guidance_metrics_hand_values():
     assert m[M.GUIDANCE_OFFPOLICY_TOKEN_RATIO] == pytest.approx(1 / 5)  # 1 guidance of 5 valid
     assert m[M.GUIDANCE_OFFPOLICY_SEQ_RATIO] == pytest.approx(1 / 2)
     assert m[M.GUIDANCE_BEHAVIOR_KL] == pytest.approx((0.1 + 0.3 + 0.2 + 0.0 + 0.4) / 5, abs=1e-12)
+    assert m[M.GUIDANCE_BEHAVIOR_KL_EXCLUDED_FRAC] == 0.0
     assert m[M.GUIDANCE_MISSING_LOGPROB_RATIO] == pytest.approx(1 / 5)
     assert m[M.GUIDANCE_LAMBDA] == 0.3
 
@@ -114,6 +116,35 @@ def test_guidance_metrics_leave_out_behavior_kl_without_draft_log_probs():
     mask, off = torch.ones(1, 2, dtype=D), torch.tensor([[0.0, 1.0]], dtype=D)
     m = compute_guidance_metrics(off, mask, logt([[0.5, 0.5]]), None, torch.zeros(1, 2), lam=0.5)
     assert M.GUIDANCE_BEHAVIOR_KL not in m and m[M.GUIDANCE_MISSING_LOGPROB_RATIO] == 0.0
+    assert M.GUIDANCE_BEHAVIOR_KL_EXCLUDED_FRAC not in m
+
+
+def test_known_log_probs():
+    a = torch.tensor([[-0.5, LOG_PROB_FLOOR, -1e4 + 1.0, NAN, NEG_INF, 0.0]], dtype=D)
+    b = torch.tensor([[-0.1, -0.1, -0.1, -0.1, -0.1, float("inf")]], dtype=D)
+    # finite and strictly above the floor in every input
+    assert known_log_probs(a).tolist() == [[True, False, True, False, False, True]]
+    assert known_log_probs(a, b).tolist() == [[True, False, True, False, False, False]]
+
+
+def test_behavior_kl_leaves_out_floor_and_unknown_tokens():
+    # valid tokens: 0, 1 known; 2 a guidance token outside the draft's top-k (log p = floor);
+    # 3 a draft log-prob nobody reported (NaN); 4 μ not known (-inf); 5 padding (floor there too)
+    mu = torch.tensor([[math.log(0.4), math.log(0.3), math.log(0.15), math.log(0.5), NEG_INF,
+                        LOG_PROB_FLOOR]], dtype=D)  # fmt: skip
+    draft = torch.tensor([[math.log(0.2), math.log(0.2), LOG_PROB_FLOOR, NAN, math.log(0.5),
+                           LOG_PROB_FLOOR]], dtype=D)  # fmt: skip
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]], dtype=D)
+    off = torch.tensor([[0, 0, 1, 0, 0, 0]], dtype=D)
+    m = compute_guidance_metrics(off, mask, mu, draft, None, lam=0.5)
+    # known tokens 0, 1: (ln(0.4/0.2) + ln(0.3/0.2))/2 = (ln 2 + ln 1.5)/2 = ln(3)/2 = 0.5493061
+    # (averaging token 2 too gave (ln 2 + ln 1.5 + ln 0.15 + 1e4)/3 = 3333.3, the 678 kind)
+    assert m[M.GUIDANCE_BEHAVIOR_KL] == pytest.approx(math.log(3.0) / 2, abs=1e-12)
+    assert m[M.GUIDANCE_BEHAVIOR_KL_EXCLUDED_FRAC] == pytest.approx(3 / 5, abs=1e-12)  # 2, 3, 4
+    # the same two known tokens alone give the same value: the floor token does not move it
+    alone = compute_guidance_metrics(off[:, :2], mask[:, :2], mu[:, :2], draft[:, :2], lam=0.5)
+    assert alone[M.GUIDANCE_BEHAVIOR_KL] == m[M.GUIDANCE_BEHAVIOR_KL]
+    assert alone[M.GUIDANCE_BEHAVIOR_KL_EXCLUDED_FRAC] == 0.0
 
 
 NAN, NEG_INF = float("nan"), float("-inf")

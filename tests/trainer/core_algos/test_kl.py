@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR
 from verl.trainer.core_algos.kl import (
     KL_ESTIMATORS,
     apply_kl_penalty,
@@ -88,6 +89,28 @@ def test_mismatch_metrics_hand_values():
     assert m[M.MISMATCH_KL_V2] == pytest.approx(0.5 * LN2**2, abs=1e-12)  # ½·mean(ln²2, ln²2)
     # k3 with r = π_old/μ: token 0 r = 0.5 -> 0.5 - 1 + ln2 = 0.193147; token 2 r = 2 -> 2 - 1 - ln2 = 0.306853
     assert m[M.MISMATCH_KL_K3] == pytest.approx(0.25, abs=1e-12)  # mean = (0.193147 + 0.306853)/2
+    assert m[M.MISMATCH_EXCLUDED_FRAC] == 0.0
+
+
+def test_mismatch_metrics_leave_out_floor_and_unknown_tokens():
+    # the hand-values batch with three more draft tokens before the padding: one whose sampling
+    # log-prob is the floor (reported as 0 probability or not at all), one whose π_old is NaN,
+    # one whose μ is -inf; each would add ~1e4, NaN or inf to the KLs
+    floor, nan, neg_inf = LOG_PROB_FLOOR, float("nan"), float("-inf")
+    mu = torch.tensor([[math.log(0.5), -0.001, math.log(0.25), math.log(0.9), floor,
+                        math.log(0.5), neg_inf, 0.0]], dtype=D)  # fmt: skip
+    old = torch.tensor([[math.log(0.25), math.log(0.9), math.log(0.5), math.log(0.1),
+                         math.log(0.5), nan, math.log(0.5), -5.0]], dtype=D)  # fmt: skip
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]], dtype=D)
+    off = torch.tensor([[0, 0, 0, 1, 0, 0, 0, 0]], dtype=D)
+    m = compute_mismatch_metrics(mu, old, mask, off, forced_threshold=-0.01)
+    # draft tokens 0, 1, 2, 4, 5, 6; known 0, 1, 2 -> excluded 3/6; forced 1 of the 3 known
+    assert m[M.MISMATCH_EXCLUDED_FRAC] == pytest.approx(3 / 6, abs=1e-12)
+    assert m[M.MISMATCH_FORCED_TOKEN_RATIO] == pytest.approx(1 / 3, abs=1e-12)
+    # the KLs are those of test_mismatch_metrics_hand_values (tokens 0 and 2): 0, ½·ln²2, 0.25
+    assert m[M.MISMATCH_KL_V1] == pytest.approx(0.0, abs=1e-12)
+    assert m[M.MISMATCH_KL_V2] == pytest.approx(0.5 * LN2**2, abs=1e-12)
+    assert m[M.MISMATCH_KL_K3] == pytest.approx(0.25, abs=1e-12)
 
 
 def test_mismatch_without_offpolicy_mask_counts_all_valid_tokens():

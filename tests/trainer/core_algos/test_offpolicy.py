@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR
 from verl.trainer.core_algos.offpolicy import (
     RATIO_LEVELS,
     compute_geometric_mask,
@@ -43,7 +44,36 @@ def test_token_importance_weights_hand_values():
     assert m[M.GUIDANCE_IS_WEIGHT_MIN] == pytest.approx(0.25)
     assert m[M.GUIDANCE_IS_WEIGHT_MAX] == pytest.approx(1.5)
     assert m[M.GUIDANCE_IS_CLIP_FRAC] == pytest.approx(1 / 3)  # only the ratio 2 was truncated
+    assert m[M.GUIDANCE_IS_WEIGHT_EXCLUDED_FRAC] == 0.0
     assert not w.requires_grad
+
+
+def test_importance_weight_metrics_leave_out_unknown_behavior():
+    # row 0: the hand-values tokens plus a 4th valid token whose μ is the floor (never reported);
+    # row 1: the hand-values tokens alone (r = [2, 0.25, 1], padding after)
+    old = logt([[0.5, 0.2, 0.9, 0.6, 0.3], [0.5, 0.2, 0.9, 0.3, 0.3]])
+    beh = logt([[0.25, 0.8, 0.9, 1.0, 0.001], [0.25, 0.8, 0.9, 0.001, 0.001]])
+    beh[0, 3] = LOG_PROB_FLOOR
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]], dtype=D)
+    w, m = compute_importance_weights(old, beh, mask, "token", clamp_min=0.0, clamp_max=1.5)
+    # the update still gets clamp(exp(20)) = 1.5 there; the statistics read the 6 known tokens,
+    # [1.5, 0.25, 1.0] twice: mean 2.75/3, min 0.25, max 1.5, 2 of 6 clipped
+    assert w[0, 3].item() == 1.5
+    assert m[M.GUIDANCE_IS_WEIGHT_MEAN] == pytest.approx(2.75 / 3, abs=1e-12)
+    # unbiased std of the 6: Σ(x - 0.916667)² = 2·0.791667 = 1.583333, / 5 -> sqrt(0.316667)
+    assert m[M.GUIDANCE_IS_WEIGHT_STD] == pytest.approx(
+        math.sqrt(1.5833333333333333 / 5), abs=1e-12
+    )
+    assert m[M.GUIDANCE_IS_WEIGHT_MIN] == pytest.approx(0.25)
+    assert m[M.GUIDANCE_IS_WEIGHT_MAX] == pytest.approx(1.5)
+    assert m[M.GUIDANCE_IS_CLIP_FRAC] == pytest.approx(2 / 6, abs=1e-7)  # a float32 share
+    assert m[M.GUIDANCE_IS_WEIGHT_EXCLUDED_FRAC] == pytest.approx(1 / 7, abs=1e-12)
+    # sequence level: row 0's weight reads the floor token, so all of row 0 is left out; row 1's
+    # Π r = 2·0.25·1 = 0.5 on its 3 tokens
+    _, m = compute_importance_weights(old, beh, mask, "sequence", clamp_min=0.0, clamp_max=10.0)
+    assert m[M.GUIDANCE_IS_WEIGHT_MEAN] == pytest.approx(0.5, abs=1e-12)
+    assert m[M.GUIDANCE_IS_WEIGHT_MAX] == pytest.approx(0.5, abs=1e-12)
+    assert m[M.GUIDANCE_IS_WEIGHT_EXCLUDED_FRAC] == pytest.approx(4 / 7, abs=1e-12)
 
 
 def test_sequence_importance_weights_use_the_product_ratio():

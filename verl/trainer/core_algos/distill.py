@@ -19,7 +19,8 @@ Two ways to train on it (DISTILL_MODES):
 
 Tokens whose teacher log-prob is missing (`guidance_missing_mask`) are left out and counted. A
 teacher probability that the sampling settings make exactly 0 (log q = the floor) is kept, with
-|log π - log q| clamped to LOG_RATIO_CLAMP: the teacher's strongest "never".
+|log π - log q| clamped to LOG_RATIO_CLAMP: the teacher's strongest "never". The distill/*
+metrics leave such tokens out (a floor is not a log-prob to average) and count them.
 Notation: π_θ current, π_old proximal, μ behavior, q the guidance (teacher). Shapes (B, T).
 Papers: https://thinkingmachines.ai/blog/on-policy-distillation (on-policy distillation),
 https://arxiv.org/abs/2306.13649 (GKD), http://joschu.net/blog/kl-approx.html (estimators).
@@ -31,13 +32,13 @@ from collections.abc import Callable
 
 import torch
 
-from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR
+from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR, known_log_probs
 from verl.trainer.core_algos.kl import KL_ESTIMATORS
 from verl.trainer.core_algos.offpolicy import LOG_RATIO_CLAMP
 from verl.trainer.core_algos.policy_loss import agg_loss
 from verl.utils import metric_names as M
 from verl.utils.registry import Registry
-from verl.utils.torch_functional import masked_mean
+from verl.utils.torch_functional import selected_mean
 
 DISTILL_MODES: Registry[Callable] = Registry("distillation mode")
 
@@ -149,21 +150,29 @@ def compute_distill_metrics(
     estimator: str = "k1",
     advantage_term: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """distill/*: reverse_kl = mean of w·k_t(π_old, q) over scored tokens (the per-token
-    estimate of KL(π_old ‖ q)); teacher_log_prob = mean log q over scored tokens with q > 0;
-    missing_frac = unscored / valid tokens; advantage_abs = mean |β·k_t| (reward mode). (B, T).
+    """distill/*: reverse_kl = mean of w·k_t(π_old, q) over known tokens, the per-token estimate
+    of KL(π_old ‖ q). (B, T).
+
+    Known tokens: valid, scored (teacher log-prob reported), log π_old and log q both known
+    (`known_log_probs`: not at LOG_PROB_FLOOR, so q > 0) and w finite. teacher_log_prob = mean
+    log q and advantage_abs = mean |β·k_t| (reward mode) over the same tokens; excluded_frac =
+    the share of valid tokens left out of the three; missing_frac = unscored / valid tokens, the
+    share left out of the distillation term itself (a q = 0 token stays in it, clamped).
     Paper: https://thinkingmachines.ai/blog/on-policy-distillation (reverse KL per token)."""
-    keep = scored_mask(response_mask, missing_mask, old_log_probs.dtype)
+    valid = response_mask.bool()
+    scored = scored_mask(response_mask, missing_mask, old_log_probs.dtype).bool()
+    known = scored & known_log_probs(old_log_probs, teacher_log_probs)
     k = distill_token_kl(old_log_probs, teacher_log_probs, estimator)
     if importance_weights is not None:
+        known = known & importance_weights.isfinite()
         k = k * importance_weights
-    positive = keep * (teacher_log_probs > LOG_PROB_FLOOR).to(keep.dtype)
-    valid = response_mask.to(keep.dtype)
+    num_valid = max(valid.sum().item(), 1)
     metrics = {
-        M.DISTILL_REVERSE_KL: masked_mean(k, keep).item(),
-        M.DISTILL_TEACHER_LOG_PROB: masked_mean(teacher_log_probs, positive).item(),
-        M.DISTILL_MISSING_FRAC: 1.0 - keep.sum().item() / max(valid.sum().item(), 1.0),
+        M.DISTILL_REVERSE_KL: selected_mean(k, known).item(),
+        M.DISTILL_TEACHER_LOG_PROB: selected_mean(teacher_log_probs, known).item(),
+        M.DISTILL_MISSING_FRAC: 1.0 - scored.sum().item() / num_valid,
+        M.DISTILL_EXCLUDED_FRAC: 1.0 - known.sum().item() / num_valid,
     }
     if advantage_term is not None:
-        metrics[M.DISTILL_ADVANTAGE_ABS] = masked_mean(advantage_term.abs(), valid).item()
+        metrics[M.DISTILL_ADVANTAGE_ABS] = selected_mean(advantage_term.abs(), known).item()
     return metrics

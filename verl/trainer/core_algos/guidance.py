@@ -13,11 +13,24 @@ import torch
 
 from verl.utils import metric_names as M
 from verl.utils.registry import Registry
-from verl.utils.torch_functional import masked_mean
+from verl.utils.torch_functional import masked_mean, selected_mean
 
 LOG_PROB_FLOOR = -1e4
 """Stands for log 0 in tensors handed to the trainer (never -inf, never mistaken for a real
 log-prob: exp(-1e4) underflows to 0 in float32 and float64)."""
+
+
+def known_log_probs(*log_probs: torch.Tensor) -> torch.Tensor:
+    """known_t = every log-prob at t is finite and above LOG_PROB_FLOOR, as bool (B, T).
+
+    The floor stands for log 0 or for a value nobody reported, so no metric may average it: a
+    metric reads only the known tokens of its inputs and reports the share it left out.
+    """
+    known = torch.ones_like(log_probs[0], dtype=torch.bool)
+    for log_prob in log_probs:
+        known = known & log_prob.isfinite() & (log_prob > LOG_PROB_FLOOR)
+    return known
+
 
 BehaviorFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 BEHAVIORS: Registry[BehaviorFn] = Registry("guidance behavior rule")
@@ -166,13 +179,15 @@ def compute_guidance_metrics(
     guidance_missing_mask: torch.Tensor | None = None,
     lam: float | None = None,
 ) -> dict[str, float]:
-    """Provenance statistics of a guided batch (inputs (B, T)).
+    """behavior_kl = mean(log μ - log p) over valid tokens with both known, and provenance shares.
 
     offpolicy_token_ratio = guidance tokens / valid tokens; offpolicy_seq_ratio = share of
-    responses with at least one guidance token; behavior_kl = mean(log μ - log p) over valid
-    tokens, the k1 estimate of KL(μ ‖ p) (tokens are drawn from μ), left out when
+    responses with at least one guidance token; behavior_kl is the k1 estimate of KL(μ ‖ p)
+    (tokens are drawn from μ) over the valid tokens whose log μ and log p are both known
+    (`known_log_probs`: a draft log-prob at LOG_PROB_FLOOR, p = 0 or unreported, would add ~1e4);
+    behavior_kl_excluded_frac = the share of valid tokens it left out. Both are left out when
     `draft_log_probs` is None (mix mode: the draft never scores the guidance's responses);
-    missing_logprob_ratio = share of valid tokens without a guidance log-prob.
+    missing_logprob_ratio = share of valid tokens without a guidance log-prob. Inputs (B, T).
     """
     valid = response_mask.to(behavior_log_probs.dtype)
     guided = offpolicy_mask.to(valid.dtype) * valid
@@ -184,8 +199,10 @@ def compute_guidance_metrics(
         else 0.0,
     }
     if draft_log_probs is not None:
-        kl = masked_mean(behavior_log_probs - draft_log_probs, valid)
+        known = valid.bool() & known_log_probs(behavior_log_probs, draft_log_probs)
+        kl = selected_mean(behavior_log_probs - draft_log_probs, known)
         metrics[M.GUIDANCE_BEHAVIOR_KL] = kl.item()
+        metrics[M.GUIDANCE_BEHAVIOR_KL_EXCLUDED_FRAC] = _excluded(known, valid)
     if guidance_missing_mask is not None:
         metrics[M.GUIDANCE_MISSING_LOGPROB_RATIO] = masked_mean(
             guidance_missing_mask.to(valid.dtype), valid
@@ -193,6 +210,12 @@ def compute_guidance_metrics(
     if lam is not None:
         metrics[M.GUIDANCE_LAMBDA] = float(lam)
     return metrics
+
+
+def _excluded(known: torch.Tensor, among: torch.Tensor) -> float:
+    """Share of the tokens of `among` that `known` leaves out (0 when `among` is empty)."""
+    total = among.bool().sum().item()
+    return 1.0 - (known.bool() & among.bool()).sum().item() / total if total else 0.0
 
 
 def _group_gap(scores: torch.Tensor, guided_seq: torch.Tensor, index: list) -> float | None:
@@ -221,7 +244,9 @@ def compute_guidance_diagnostics(
     """What a guided step's update gets from its guidance tokens. Inputs (B, T); scores, index (B,).
 
     guided_is_weight_mean / guided_is_clip_frac: clamp(π_old/μ) and the share outside `clamp`,
-    over guidance tokens only. guided_grad_share = Σ_guided (w·A)²·E / Σ_valid (w·A)²·E, with
+    over the guidance tokens whose π_old and μ are known (`known_log_probs`);
+    guided_excluded_frac = the share of guidance tokens left out. guided_grad_share =
+    Σ_guided (w·A)²·E / Σ_valid (w·A)²·E over the tokens with π_old and μ known, with
     E_t = ‖e_y - π_old‖² = 1 - 2π_old(y_t) + Σπ² the squared norm of token t's policy-gradient
     term in logit space (needs Σπ²; cross-token terms ignored; w = 1 without weights).
     guided_score_gap: over the groups (`index`) holding responses with and without guidance
@@ -230,19 +255,22 @@ def compute_guidance_diagnostics(
     """
     valid = response_mask.bool()
     guided = offpolicy_mask.bool() & valid
+    known = valid & known_log_probs(old_log_probs, behavior_log_probs)
     metrics: dict[str, float] = {}
     if guided.any():
-        raw = (old_log_probs - behavior_log_probs).clamp(max=50.0).exp()[guided]
+        metrics[M.GUIDANCE_GUIDED_EXCLUDED_FRAC] = _excluded(known, guided)
+    if (guided & known).any():
+        raw = (old_log_probs - behavior_log_probs)[guided & known].clamp(max=50.0).exp()
         metrics[M.GUIDANCE_GUIDED_IS_WEIGHT_MEAN] = raw.clamp(*clamp).mean().item()
         outside = (raw < clamp[0]) | (raw > clamp[1])
         metrics[M.GUIDANCE_GUIDED_IS_CLIP_FRAC] = outside.float().mean().item()
     if sum_pi_squared is not None:
         energy = (1.0 - 2.0 * old_log_probs.exp() + sum_pi_squared).clamp(min=0.0)
         w = importance_weights if importance_weights is not None else torch.ones_like(energy)
-        power = (w * advantages) ** 2 * energy * valid
+        power = torch.where(known, (w * advantages) ** 2 * energy, torch.zeros_like(energy))
         total = power.sum().item()
         if total > 0:
-            metrics[M.GUIDANCE_GUIDED_GRAD_SHARE] = (power * guided).sum().item() / total
+            metrics[M.GUIDANCE_GUIDED_GRAD_SHARE] = power[guided].sum().item() / total
     guided_seq = guided.any(dim=-1)
     has_tokens = valid.any(dim=-1)
     if (guided_seq & has_tokens).any():

@@ -10,9 +10,10 @@ from collections.abc import Callable
 
 import torch
 
+from verl.trainer.core_algos.guidance import known_log_probs
 from verl.utils import metric_names as M
 from verl.utils.registry import Registry
-from verl.utils.torch_functional import masked_mean
+from verl.utils.torch_functional import selected_mean
 
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator")
@@ -84,22 +85,27 @@ def compute_mismatch_metrics(
     """kl_v1 = mean(log μ - log π_old), kl_v2 = ½·mean((log μ - log π_old)²) on draft tokens.
 
     Sampling (μ, vLLM) vs training (π_old, FSDP) divergence; also
-    kl_k3 = mean(π_old/μ - 1 - log(π_old/μ)); all over draft-emitted, non-forced tokens. A token is
-    forced when its sampling log-prob > `forced_threshold` (near-deterministic: its KL is noise);
-    forced_token_ratio = forced / draft-emitted. Guidance-emitted tokens (offpolicy_mask) are
-    excluded: their μ is not the draft's. Inputs (B, T). Paper: https://fengyao.notion.site/off-policy-rl.
+    kl_k3 = mean(π_old/μ - 1 - log(π_old/μ)); all over the known, non-forced draft-emitted
+    tokens. Known: log μ and log π_old both finite and above LOG_PROB_FLOOR (`known_log_probs`);
+    excluded_frac = unknown / draft-emitted tokens. A known token is forced when its sampling
+    log-prob > `forced_threshold` (near-deterministic: its KL is noise); forced_token_ratio =
+    forced / known draft-emitted. Guidance-emitted tokens (offpolicy_mask) are left out
+    altogether: their μ is not the draft's. Inputs (B, T).
+    Paper: https://fengyao.notion.site/off-policy-rl.
     """
     draft = response_mask.bool()
     if offpolicy_mask is not None:
         draft = draft & ~offpolicy_mask.bool()
-    forced = draft & (rollout_log_probs > forced_threshold)
-    kl_tokens = (draft & ~forced).to(rollout_log_probs.dtype)
+    known = draft & known_log_probs(rollout_log_probs, old_log_probs)
+    forced = known & (rollout_log_probs > forced_threshold)
+    kl_tokens = known & ~forced
     diff = rollout_log_probs - old_log_probs
     neg = (-diff).clamp(max=20.0)
-    num_draft = draft.sum().item()
+    num_draft, num_known = draft.sum().item(), known.sum().item()
     return {
-        M.MISMATCH_KL_V1: masked_mean(diff, kl_tokens).item(),
-        M.MISMATCH_KL_V2: masked_mean(0.5 * diff**2, kl_tokens).item(),
-        M.MISMATCH_KL_K3: masked_mean(neg.exp() - 1.0 - neg, kl_tokens).item(),
-        M.MISMATCH_FORCED_TOKEN_RATIO: forced.sum().item() / num_draft if num_draft else 0.0,
+        M.MISMATCH_KL_V1: selected_mean(diff, kl_tokens).item(),
+        M.MISMATCH_KL_V2: selected_mean(0.5 * diff**2, kl_tokens).item(),
+        M.MISMATCH_KL_K3: selected_mean(neg.exp() - 1.0 - neg, kl_tokens).item(),
+        M.MISMATCH_FORCED_TOKEN_RATIO: forced.sum().item() / num_known if num_known else 0.0,
+        M.MISMATCH_EXCLUDED_FRAC: 1.0 - num_known / num_draft if num_draft else 0.0,
     }

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from verl.trainer.core_algos.guidance import known_log_probs
 from verl.utils import metric_names as M
 from verl.utils.registry import Registry
 from verl.utils.torch_functional import masked_mean, masked_sum
@@ -73,21 +74,28 @@ def compute_importance_weights(
 
     Token (TIS): w_t = clamp(exp(log π_old(y_t) - log μ(y_t))). Sequence: w_t = clamp(Π_t r_t)
     for every token of the response. Returns weights (B, T), 0 on padding, always detached, and
-    the `guidance/is_weight_*` / `guidance/is_clip_frac` statistics over valid tokens.
+    the `guidance/is_weight_*` / `guidance/is_clip_frac` statistics over the valid tokens whose
+    weight reads only known log-probs (`known_log_probs`; at sequence and geometric level every
+    token of its response); is_weight_excluded_frac = the share of valid tokens left out.
     Paper: https://arxiv.org/abs/2110.00641 (decoupled PPO); TIS https://fengyao.notion.site/off-policy-rl.
     """
     with torch.no_grad():
         raw = _level_log_ratio(old_log_probs, behavior_log_probs, response_mask, level).exp()
         weights = raw.clamp(min=clamp_min, max=clamp_max) * response_mask
         valid = response_mask.bool()
-        sel = weights[valid]
-        clipped = ((raw < clamp_min) | (raw > clamp_max))[valid]
+        known = valid & known_log_probs(old_log_probs, behavior_log_probs)
+        if level != "token":  # a response's weight reads every one of its tokens
+            known = known & ~(valid & ~known).any(dim=-1, keepdim=True)
+        sel = weights[known]
+        clipped = ((raw < clamp_min) | (raw > clamp_max))[known]
+        num_valid = valid.sum().item()
         metrics = {
             M.GUIDANCE_IS_WEIGHT_MEAN: sel.mean().item() if sel.numel() else 0.0,
             M.GUIDANCE_IS_WEIGHT_STD: sel.std().item() if sel.numel() > 1 else 0.0,
             M.GUIDANCE_IS_WEIGHT_MIN: sel.min().item() if sel.numel() else 0.0,
             M.GUIDANCE_IS_WEIGHT_MAX: sel.max().item() if sel.numel() else 0.0,
             M.GUIDANCE_IS_CLIP_FRAC: clipped.float().mean().item() if sel.numel() else 0.0,
+            M.GUIDANCE_IS_WEIGHT_EXCLUDED_FRAC: 1.0 - sel.numel() / num_valid if num_valid else 0.0,
         }
     return weights, metrics
 
