@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -192,3 +193,107 @@ def test_batched_prompt_logprobs_equal_vllms_own_loop(engine):
         vllm_session_rewind.apply()
     for a, b in zip(patched, own, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def processed(
+    raw: torch.Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0
+) -> torch.Tensor:
+    """vLLM's processed log-probs from raw log-probs (N, V) (a constant shift of the logits):
+    / T, top-k keeps the logits >= the k-th, top-p drops the ascending-sorted tokens whose
+    cumulative probability stays <= 1 - top_p (never the largest); float64."""
+    z = raw.double() / temperature
+    if top_k > 0:
+        kth = z.sort(-1, descending=True).values[:, top_k - 1 : top_k]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = torch.softmax(z, -1).sort(-1)
+        drop = ascending.cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False
+        z = z.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return torch.log_softmax(z, -1)
+
+
+SETTINGS = {"temperature": 0.7, "top_k": 12, "top_p": 0.9}
+
+
+def test_processed_prompt_rows_equal_the_processed_distribution(engine):
+    """PROCESS_KEY: prompt rows under temperature 0.7, top-k 12, top-p 0.9 equal the processed
+    raw rows of the same engine (all V tokens listed), for a fresh request and a rewound chunk."""
+    from verl_patches.vllm_session_rewind import PROCESS_KEY
+
+    from verl.workers.rollout.vllm_sessions import SessionEngine
+
+    tokens = [*PROMPT, 50, 51, 52, 53]
+    raw = fresh_prompt_logprobs(engine, tokens)[0]
+    sessions = SessionEngine(engine)
+    try:
+        params = lambda sid, m: scoring_params(
+            max_tokens=m, extra_args={PROCESS_KEY: True}, **SETTINGS
+        )  # noqa: E731
+        first = sessions.run([("p", tokens, 1, None)], params)["p"]
+        torch.testing.assert_close(session_rows(first, 0, len(tokens) - 1), processed(raw, **SETTINGS),
+                                   rtol=0, atol=1e-5)  # fmt: skip
+        # a rewind: the rows of the new tokens, processed with the session's settings
+        new = [*PROMPT, 50, 60, 61]
+        second = sessions.run([("p", new, 1, len(PROMPT))], params)["p"]
+        expected = processed(fresh_prompt_logprobs(engine, new)[0], **SETTINGS)
+        torch.testing.assert_close(session_rows(second, len(PROMPT), 2), expected[len(PROMPT) : len(PROMPT) + 2],
+                                   rtol=0, atol=1e-5)  # fmt: skip
+    finally:
+        sessions.close()
+
+
+def test_processed_rows_of_a_chunked_prompt_are_processed_too(engine):
+    """A step budget smaller than the prompts chunks them over steps: rows written across steps
+    are still processed (vLLM's own loop, which the patch used to fall back to, is raw)."""
+    from verl_patches.vllm_session_rewind import PROCESS_KEY
+
+    from verl.workers.rollout.vllm_sessions import SessionEngine
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, VOCAB, (n,), generator=gen).tolist() for n in (60, 60, 60)]
+    scheduler = engine.llm_engine.engine_core.engine_core.scheduler
+    budget = scheduler.max_num_scheduled_tokens
+    scheduler.max_num_scheduled_tokens = 64  # 180 prompt tokens: at least three steps
+    sessions = SessionEngine(engine)
+    try:
+        params = lambda sid, m: scoring_params(
+            max_tokens=m, extra_args={PROCESS_KEY: True}, **SETTINGS
+        )  # noqa: E731
+        out = sessions.run([(f"c{i}", p, 1, None) for i, p in enumerate(prompts)], params)
+    finally:
+        scheduler.max_num_scheduled_tokens = budget
+        sessions.close()
+    for i, p in enumerate(prompts):
+        expected = processed(fresh_prompt_logprobs(engine, p)[0], **SETTINGS)
+        torch.testing.assert_close(
+            session_rows(out[f"c{i}"], 0, len(p) - 1), expected, rtol=0, atol=1e-5
+        )
+
+
+def test_lookup_reads_the_sessions_processed_row_at_given_ids(engine):
+    """SessionEngine.lookup: the log-probs of chosen ids as the next token after a prefix, under
+    the session's own sampling settings, equal the processed dense row; O(M) out."""
+    from verl.workers.rollout.vllm_sessions import SessionEngine
+
+    sessions = SessionEngine(engine)
+    try:
+        draft = lambda sid, m: scoring_params(
+            max_tokens=m, prompt_logprobs=None, logprobs=5, **SETTINGS
+        )  # noqa: E731
+        sessions.run([("d", [*PROMPT, 50], 4, None)], draft)  # proposes 4 tokens
+        ids = np.array([[3, 50, 77, 12, 99], [8, 9, 10, 11, 12]])
+        prefixes = [[*PROMPT, 50, 61], [*PROMPT, 50]]
+        before = sessions.tokens_computed
+        found = sessions.lookup([("d", prefixes[0], ids[0])])
+        assert sessions.tokens_computed - before == 2  # the new 61, then the placeholder
+        before = sessions.tokens_computed
+        found = np.concatenate([found, sessions.lookup([("d", prefixes[1], ids[1])])])
+        assert sessions.tokens_computed - before == 2  # 50 recomputed (its row), the placeholder
+    finally:
+        sessions.close()
+    for row, (prefix, want) in enumerate(zip(prefixes, ids, strict=True)):
+        dense = processed(fresh_prompt_logprobs(engine, [*prefix, 1])[0][-1:], **SETTINGS)[0]
+        np.testing.assert_allclose(
+            found[row], dense[torch.from_numpy(want)].numpy(), rtol=0, atol=1e-5
+        )

@@ -131,10 +131,14 @@ class RayPPOTrainer:
         with timed("gen", metrics):
             out = self.rollout.generate_sequences(batch)
         meta = out.meta_info
-        if "accept_rate" in meta:
+        if "accept_rate" in meta:  # speculative rounds ran
             metrics[M.GUIDANCE_ACCEPT_RATE] = meta["accept_rate"]
+            lookups = meta.get("draft_lookups", 0) / max(meta["emitted_tokens"], 1)
+            metrics[M.GUIDANCE_DRAFT_LOOKUP_RATIO] = lookups
         if "topk_tail_mass" in meta:
             metrics[M.GUIDANCE_TOPK_TAIL_MASS] = meta["topk_tail_mass"]
+        if "target_tv" in meta:
+            metrics[M.GUIDANCE_TARGET_TV] = meta["target_tv"]
         out.meta_info = {"temperature": cfg.worker.rollout.temperature, "lam": meta.get("lam", 0.0)}
         return out
 

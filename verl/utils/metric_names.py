@@ -38,6 +38,8 @@ GUIDANCE_MISSING_LOGPROB_RATIO = "guidance/missing_logprob_ratio"
 GUIDANCE_BEHAVIOR_KL = "guidance/behavior_kl"
 GUIDANCE_BEHAVIOR_KL_EXCLUDED_FRAC = "guidance/behavior_kl_excluded_frac"
 GUIDANCE_TOPK_TAIL_MASS = "guidance/topk_tail_mass"
+GUIDANCE_TARGET_TV = "guidance/target_tv"
+GUIDANCE_DRAFT_LOOKUP_RATIO = "guidance/draft_lookup_ratio"
 # guidance/guided_*: what the update gets from the guidance tokens (diagnosis of a guided step).
 GUIDANCE_GUIDED_IS_WEIGHT_MEAN = "guidance/guided_is_weight_mean"
 GUIDANCE_GUIDED_IS_CLIP_FRAC = "guidance/guided_is_clip_frac"

@@ -32,8 +32,9 @@ def test_guidance_engine_args_carry_its_own_model_and_the_shared_ones():
     own = (args["model"], args["dtype"], args["tensor_parallel_size"])
     assert own == ("/models/guide", "float32", 2)
     assert (args["max_logprobs"], args["seed"], args["max_model_len"]) == (20, 3, 83)
-    # scoring processes the raw prompt log-probs itself; mix-mode samples report what they drew from
-    assert args["logprobs_mode"] == "raw_logprobs"
+    # both modes report processed log-probs (scoring rows are processed in the engine by the
+    # session patch; mix-mode samples report what they drew from)
+    assert args["logprobs_mode"] == "processed_logprobs"
     mix = guidance_engine_args(_config(True, None, mode="mix"), 20, {})
     assert mix["logprobs_mode"] == "processed_logprobs"
 

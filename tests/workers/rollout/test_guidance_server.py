@@ -9,6 +9,8 @@ import pytest
 
 from verl.workers.rollout.guidance_server import GuidanceProcess
 
+RAW = {"temperature": 1.0, "top_k": -1, "top_p": 1.0}  # no processing: the model's own log-probs
+
 pytestmark = pytest.mark.vllm
 
 
@@ -42,8 +44,8 @@ def test_scores_in_order_then_reports_a_failing_request_and_stops(model):
         # two rounds in flight at once, answered first in, first out: 3 and 2 scored rows
         chunks_a = [("a", [5, 6, 7, 8], 1, None)]
         chunks_b = [("b", [9, 10, 11], 1, None)]
-        process.submit("score", chunks_a, [(0, 3)], 5)
-        process.submit("score", chunks_b, [(0, 2)], 5)
+        process.submit("score", chunks_a, [(0, 3)], 5, RAW)
+        process.submit("score", chunks_b, [(0, 2)], 5, RAW)
         (ids_a, values_a), (next_ids_a, next_values_a), computed_a = process.result()
         (ids_b, values_b), _, computed_b = process.result()
         assert ids_a.shape == (3, 6) and ids_b.shape == (2, 6)
@@ -108,7 +110,7 @@ def test_a_shared_service_keeps_each_replicas_sessions_apart():
     sessions = SimpleNamespace(session_ids=["r0/a", "r0/b", "r1/a"])
     engine = SimpleNamespace(
         sessions=sessions,
-        score=lambda chunks, rows, k: calls.append(("score", chunks)),
+        score=lambda chunks, rows, k, processing: calls.append(("score", chunks)),
         close=lambda ids: calls.append(("close", ids)),
         capacity=lambda tokens: 7,
         sleep=lambda: calls.append(("sleep",)),
@@ -121,7 +123,7 @@ def test_a_shared_service_keeps_each_replicas_sessions_apart():
         True,
         set(),
     )
-    service._handle("r1/", "score", ([("a", [1, 2], 1, None)], [(0, 1)], 5))
+    service._handle("r1/", "score", ([("a", [1, 2], 1, None)], [(0, 1)], 5, RAW))
     service._handle("r1/", "close", ())
     service._handle("r0/", "close", (["b"],))
     assert calls == [

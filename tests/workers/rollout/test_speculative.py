@@ -118,53 +118,34 @@ def test_topk_dedupe_lookup_and_tail_mass_hand_values():
     torch.testing.assert_close(table.tail_mass(), torch.tensor([[0.2]], dtype=D))
 
 
-def _listed(probs: torch.Tensor, first: torch.Tensor, top: int) -> TopK:
-    """What an engine reports at one position per row: the given token, then the `top` most
-    likely tokens (the given one may repeat), with their unnormalised log-probs."""
-    best = probs.topk(top).indices.expand(first.shape[0], top)
-    ids = torch.cat([first.unsqueeze(-1), best], dim=-1).unsqueeze(1)  # (n, 1, top + 1)
-    return TopK.dedupe(ids, probs.log()[ids])
-
-
 @pytest.mark.parametrize("lam", [0.5, 1.0])
-def test_topk_lists_emit_the_same_distribution_as_dense_tables(lam):
-    """Truncated lists (the proposal + top-2 of each model over V = 6) and the equal dense tables
-    (-inf where unlisted) accept the same proposals with the same uniforms, and the emitted token
-    follows the per-proposal mixture computed by hand from the dense tables (chi-square)."""
+def test_topk_guidance_lists_emit_the_truncated_target(lam):
+    """A guidance that lists only its top-2 of V = 6: the emitted token follows the documented
+    target t = (1-λ)p + λq̃, q̃ = q renormalised over the listed set S (chi-square), with
+    log q̃ and TV(t, q_λ) = λ(1 - Q_S) recorded per token."""
     p = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], dtype=D)
     q = torch.tensor([0.05, 0.1, 0.2, 0.3, 0.05, 0.3], dtype=D)
     n = 40_000
     x = torch.multinomial(p, n, replacement=True, generator=torch.Generator().manual_seed(5))
-    draft, guide = _listed(p, x, 2), _listed(q, x, 2)
-
-    def dense(table: TopK) -> torch.Tensor:  # (n, 1, 6): the listed log-prob of every token
-        return table.lookup(torch.arange(6).expand(n, 1, 6))
-
-    args = (x.unsqueeze(-1), torch.ones(n, dtype=torch.long))
-    sparse = verify_proposals(*args, draft, guide, lam, torch.Generator().manual_seed(9))
-    full = verify_proposals(
-        *args, dense(draft), dense(guide), lam, torch.Generator().manual_seed(9)
+    # S = {3, 5} (top-2 of q), Q_S = 0.6: q̃ = [0, 0, 0, 0.5, 0, 0.5]
+    guide = TopK(
+        torch.tensor([3, 5]).expand(n, 1, 2), q.log()[torch.tensor([3, 5])].expand(n, 1, 2)
     )
-    assert torch.equal(sparse.offpolicy, full.offpolicy) and sparse.offpolicy.any()
-    accepted = ~sparse.offpolicy[:, 0]
-    assert torch.equal(sparse.tokens[accepted], full.tokens[accepted])
-    # emitted(y) = sum_x p(x) [a(x) 1{y = x} + (1 - a(x)) r_x(y)], with a(x) = min(1, 1-λ + λ q/p)
-    # and r_x ∝ max(0, q̃_x - p̃_x), where p̃_x, q̃_x are the tables listed when x was proposed
-    expected = torch.zeros(6, dtype=D)
-    for token in range(6):
-        p_row, q_row = dense(draft)[x == token][0, 0].exp(), dense(guide)[x == token][0, 0].exp()
-        accept = min(1.0, (1 - lam) + lam * q[token].item() / p[token].item())
-        residual = (q_row - p_row).clamp(min=0)
-        expected += p[token] * (
-            accept * torch.eye(6, dtype=D)[token] + (1 - accept) * residual / residual.sum()
-        )
-    counts = torch.bincount(sparse.tokens[:, 0], minlength=6).to(D)
-    assert _chi2_ok(counts, expected) > 1e-3
-    # the residual token's recorded log-probs are its listed values (-inf when the draft did not list it)
-    off = sparse.offpolicy[:, 0]
-    torch.testing.assert_close(sparse.guidance_log_probs[off, 0], q.log()[sparse.tokens[off, 0]])
-    listed_p = draft.lookup(sparse.tokens.unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(sparse.draft_log_probs[off, 0], listed_p[off, 0])
+    out = verify_proposals(x.unsqueeze(-1), torch.ones(n, dtype=torch.long), p.log().expand(n, 1, 6),
+                           guide, lam, torch.Generator().manual_seed(9))  # fmt: skip
+    q_t = torch.tensor([0, 0, 0, 0.5, 0, 0.5], dtype=D)
+    target = (1 - lam) * p + lam * q_t
+    counts = torch.bincount(out.tokens[:, 0], minlength=6).to(D)
+    assert _chi2_ok(counts, target) > 1e-3
+    y = out.tokens[:, 0]
+    torch.testing.assert_close(out.target_log_probs[:, 0], q_t.log()[y])
+    torch.testing.assert_close(out.draft_log_probs[:, 0], p.log()[y])
+    torch.testing.assert_close(out.target_tv[:, 0], torch.full((n,), lam * 0.4, dtype=D))
+    # a draft list that does not give p on S cannot draw the residual: refused
+    partial = TopK(x.view(n, 1, 1), p.log()[x].view(n, 1, 1))
+    with pytest.raises(ValueError, match="does not give p"):
+        verify_proposals(x.unsqueeze(-1), torch.ones(n, dtype=torch.long), partial, guide, lam,
+                         torch.Generator().manual_seed(9))  # fmt: skip
 
 
 def _rows(ids: list[list[int]], probs: list[list[float]]) -> ListedRows:
@@ -172,52 +153,50 @@ def _rows(ids: list[list[int]], probs: list[list[float]]) -> ListedRows:
         return ListedRows(np.array(ids), np.log(np.array(probs)))
 
 
-def test_listed_rows_tail_mass_and_processing_hand_values():
-    rows = _rows([[3, 1, 3, 0]], [[0.2, 0.5, 0.2, 0.1]])  # token 3 listed twice (sampled + top-K)
-    # listed mass 0.2 + 0.5 + 0.1 = 0.8 (the repeat counts once): tail 0.2
-    np.testing.assert_allclose(rows.tail_mass(), [0.2], rtol=1e-12)
-    # temperature 0.5 squares the listed probabilities: [.04, .25, -, .01] / .30
-    expected = np.array([[0.04, 0.25, 0.0, 0.01]]) / 0.30
-    np.testing.assert_allclose(
-        np.exp(rows.processed(temperature=0.5).log_probs), expected, rtol=1e-12
-    )
+def test_listed_rows_topk_and_tail_mass_hand_values():
+    # S is the top-K columns (1..): column 0 is the row's own token, counted only through a
+    # top-K repeat. Row 0: token 3 listed twice (sampled + top-K): Q_S = 0.5 + 0.2 + 0.1 = 0.8,
+    # tail 0.2. Row 1: column 0 (token 7, 0.05) is not in S: Q_S = 0.6 + 0.2 + 0.1 = 0.9, tail 0.1
+    # (not 1 - 0.95). Row 2 lists more than all the mass (rounding): the tail clips at 0.
+    rows = _rows([[3, 1, 3, 0], [7, 1, 3, 0], [1, 1, 2, 0]],
+                 [[0.2, 0.5, 0.2, 0.1], [0.05, 0.6, 0.2, 0.1], [0.7, 0.7, 0.2, 0.1 + 1e-9]])  # fmt: skip
+    np.testing.assert_allclose(rows.topk_mass(), [0.8, 0.9, 1.0 + 1e-9], rtol=1e-12)
+    np.testing.assert_allclose(rows.tail_mass(), [0.2, 0.1, 0.0], rtol=1e-12, atol=1e-15)
+    # in_topk: token 3 is in row 0's S (its repeat), 7 is only row 1's column 0, 2 is in row 2's S
+    assert rows.in_topk(np.array([3, 7, 2])).tolist() == [True, False, True]
+    assert rows.in_topk(np.array([4, 1, 0])).tolist() == [False, True, True]
 
 
-def test_listed_rows_top_p_cuts_on_true_probabilities_at_temperature_1():
-    """Raw rows list tokens 0-2 with p = [0.5, 0.3, 0.1] (tail 0.1). True mass before each:
-    0, 0.5, 0.8, all < 0.85, so top-p 0.85 keeps all three: [0.5, 0.3, 0.1] / 0.9. Renormalised
-    over the list first ([.556, .333, .111], mass before token 2 = .889 >= .85) it would drop
-    token 2. With top_p = 0.75 token 2 goes (0.8 >= 0.75): [0.5, 0.3] / 0.8. At temperature 0.5
-    the cut is on the listed renormalisation (the true one is unknown): .25, .09, .01 over .35 ->
-    mass before token 2 = .971 >= .85, dropped: [.25, .09] / .34."""
-    rows = _rows([[0, 0, 1, 2]], [[0.5, 0.5, 0.3, 0.1]])
-    np.testing.assert_allclose(
-        np.exp(rows.processed(top_p=0.85).log_probs),
-        [[0.5 / 0.9, 0, 0.3 / 0.9, 0.1 / 0.9]],
-        rtol=1e-12,
-    )
-    np.testing.assert_allclose(
-        np.exp(rows.processed(top_p=0.75).log_probs), [[0.5 / 0.8, 0, 0.3 / 0.8, 0]], rtol=1e-12
-    )
-    np.testing.assert_allclose(
-        np.exp(rows.processed(temperature=0.5, top_p=0.85).log_probs),
-        [[0.25 / 0.34, 0, 0.09 / 0.34, 0]], rtol=1e-12, atol=1e-15,
-    )  # fmt: skip
-    # a cut row lists its support: token 2's zero is a real one (top-p), so unlisted 7 is 0 too
-    assert rows.processed(top_p=0.75).lists_support().tolist() == [True]
-    assert rows.processed(top_p=0.85).lists_support().tolist() == [False]
+def test_listed_rows_lists_support_only_through_a_real_zero():
+    """A row lists its whole support when its top-K lists a token of probability 0 (top-k or
+    top-p cut inside the list): then an unlisted token has probability exactly 0. A repeat of
+    column 0 read -inf (a de-duplicated row) is no such zero."""
+    cut = _rows([[0, 0, 1, 2]], [[0.625, 0.625, 0.375, 0.0]])  # top-p 0.7 of [.5, .3, .1, ...]
+    whole = _rows([[0, 0, 1, 2]], [[0.5, 0.5, 0.3, 0.1]])  # 0.1 of the mass is elsewhere
+    repeat = _rows([[3, 1, 3, 0]], [[0.2, 0.5, 0.0, 0.1]])  # token 3's repeat at -inf
+    assert cut.lists_support().tolist() == [True]
+    assert whole.lists_support().tolist() == [False]
+    assert repeat.lists_support().tolist() == [False]
+    # knows: listed tokens everywhere; an unlisted 7 only where the row lists its support
+    queries = np.array([[0, 2, 7]])
+    assert cut.knows(queries).tolist() == [[True, True, True]]
+    assert whole.knows(queries).tolist() == [[True, True, False]]
+    assert repeat.knows(np.array([[3, 0, 7]])).tolist() == [[True, True, False]]
 
 
 def test_listed_rows_topk_reads_a_repeat_at_its_value():
     # row 0 lists token 3 first (0.2) and again in its top-3; topk gives the top-3 columns with
-    # token 3 at 0.2 even after processing set its repeat to -inf
-    # (processing renormalises row 0 over its listed mass 0.8: [.5, .2, .1] / .8)
+    # token 3 at 0.2, also where the repeat itself reads -inf (a de-duplicated row)
     rows = _rows([[3, 1, 3, 0], [2, 5, 1, 4]], [[0.2, 0.5, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]])
-    for listed, mass in ((rows, 1.0), (rows.processed(temperature=1.0), 0.8)):
+    deduped = ListedRows(rows.ids, rows.deduped())
+    assert np.isneginf(deduped.log_probs[0, 2])
+    for listed in (rows, deduped):
         ids, values = listed.topk()
         assert ids.tolist() == [[1, 3, 0], [5, 1, 4]]
-        expected = [[0.5 / mass, 0.2 / mass, 0.1 / mass], [0.3, 0.2, 0.1]]
-        np.testing.assert_allclose(np.exp(values), expected, rtol=1e-12)
+        np.testing.assert_allclose(np.exp(values), [[0.5, 0.2, 0.1], [0.3, 0.2, 0.1]], rtol=1e-12)
+        # lookup reads a repeat at its finite value too (the larger of its two entries)
+        np.testing.assert_allclose(listed.lookup(np.array([[3], [2]]))[:, 0], np.log([0.2, 0.4]),
+                                   rtol=1e-12)  # fmt: skip
 
 
 def test_listed_rows_take_and_lookup_one_hand_values():
@@ -232,9 +211,9 @@ def test_listed_rows_take_and_lookup_one_hand_values():
     np.testing.assert_allclose(rows.lookup_one(np.array([0, 5])), np.log([0.1, 0.3]), rtol=1e-12)
     assert np.isneginf(rows.lookup_one(tokens)[1])
     # unknown=NaN keeps "not listed" apart from a zero: neither row lists a zero, so unlisted
-    # token 7 reads NaN; after processing, a repeat of column 0 reads -inf but is no zero
+    # token 7 reads NaN; a repeat of column 0 read -inf is no zero either
     assert rows.lists_support().tolist() == [False, False]
-    assert rows.processed(temperature=1.0).lists_support().tolist() == [False, False]
+    assert ListedRows(rows.ids, deduped).lists_support().tolist() == [False, False]
     assert np.isnan(rows.lookup_one(tokens, unknown=np.nan)[1])
     assert rows.lookup_one(tokens, unknown=np.nan)[0] == pytest.approx(math.log(0.2))
     zero = _rows([[3, 1, 0, 3]], [[0.2, 0.8, 0.0, 0.2]])  # lists token 0 with probability 0
@@ -249,70 +228,222 @@ def test_listed_rows_take_and_lookup_one_hand_values():
     )
 
 
+class RecordingProbe:
+    """A draft probe answering from hand tables {(row, position): {token: p}}, recording calls."""
+
+    def __init__(self, tables: dict):
+        self.tables, self.calls = tables, []
+
+    def __call__(self, rows, positions, tokens):
+        self.calls.append((rows.tolist(), positions.tolist(), tokens.tolist()))
+        table = [
+            self.tables[(r, n)] for r, n in zip(rows.tolist(), positions.tolist(), strict=True)
+        ]
+        return np.log([[t[int(tok)] for tok in row] for t, row in zip(table, tokens, strict=True)])
+
+
 def test_verify_listed_hand_values():
-    """Two sequences, k = 3, λ = 0.5; rows hold the proposal first, then a top-3 (repeats kept)."""
-    num = torch.tensor([2, 3])
+    """Three sequences, k = 3, λ = 0.5; rows hold the proposal first, then a top-3 (repeats
+    kept). S is the guidance row's top-3, q̃ = q / Q_S on S; accept x w.p. min(1, 0.5 + 0.5·q̃(x)/p(x))."""
+    num = torch.tensor([2, 3, 1])
     draft = _rows(
-        [[4, 4, 7, 1], [7, 7, 1, 0], [2, 0, 5, 2], [0, 0, 1, 2], [9, 3, 9, 1]],
+        [[4, 4, 7, 1], [7, 7, 1, 0], [2, 0, 5, 2], [0, 0, 1, 2], [9, 3, 9, 1], [5, 5, 2, 6]],
         [[0.5, 0.5, 0.3, 0.1], [0.6, 0.6, 0.2, 0.1], [0.2, 0.5, 0.3, 0.2],
-         [0.7, 0.7, 0.1, 0.1], [0.1, 0.6, 0.1, 0.2]],
+         [0.7, 0.7, 0.1, 0.1], [0.1, 0.6, 0.1, 0.2], [0.4, 0.4, 0.3, 0.2]],
     )  # fmt: skip
     guide = _rows(
-        [[4, 2, 4, 0], [7, 1, 3, 7], [2, 2, 9, 0], [0, 0, 8, 1], [9, 9, 3, 2]],
+        [[4, 2, 4, 0], [7, 1, 3, 7], [2, 2, 9, 0], [0, 0, 8, 1], [9, 9, 3, 2], [5, 6, 2, 5]],
         [[0.3, 0.4, 0.3, 0.2], [0.1, 0.5, 0.3, 0.1], [0.4, 0.4, 0.1, 0.3],
-         [0.7, 0.7, 0.2, 0.05], [0.2, 0.2, 0.5, 0.1]],
+         [0.7, 0.7, 0.2, 0.05], [0.2, 0.2, 0.5, 0.1], [0.05, 0.5, 0.3, 0.05]],
     )  # fmt: skip
-    # seq 0: token 4 ratio 0.5 + 0.5 * 0.3/0.5 = 0.8 > u = 0.79, accepted; token 7 ratio
-    # 0.5 + 0.5 * 0.1/0.6 = 0.5833 <= u = 0.6, rejected. Residual over the guidance's list
-    # [7, 1, 3]: 7 -> 0 (q < p), 1 -> 0.5 - 0.2 = 0.3, 3 -> 0.3 - 0 (the draft does not list it);
-    # CDF [0, 0.3, 0.6, 0.6]; last uniform 0.6 * 0.6 = 0.36 passes 2 entries -> token 3.
-    # seq 1: ratios 1.5, 1.0, 1.5 >= 1: all accepted whatever the uniforms.
-    u = torch.tensor([[0.79, 0.6, 0.5, 0.6], [0.99, 0.99, 0.99, 0.5]], dtype=D)
-    out = verify_listed(num, draft, guide, 0.5, u)
-    assert out.tokens.tolist() == [[4, 3, -1], [2, 0, 9]]
-    assert out.num_emitted.tolist() == [2, 3] and out.num_accepted.tolist() == [1, 3]
-    assert out.offpolicy.tolist() == [[False, True, False], [False, False, False]]
+    # seq 0: S = {2, 4, 0}, Q_S = 0.9, q̃(4) = 1/3: ratio 0.5 + 0.5 * (1/3)/0.5 = 0.8333 > u = 0.79,
+    # accepted. Token 7: S = {1, 3, 7}, Q_S = 0.9, q̃(7) = 1/9: ratio 0.5 + 0.5 * (1/9)/0.6 =
+    # 0.5926 <= u = 0.6, rejected. The residual needs p on S = [1, 3, 7]: the draft row lists 1
+    # and 7 but not 3 (and no zero, so 3 is unknown): the probe gives the row, p = [.2, .05, .6].
+    # q̃ = [5/9, 3/9, 1/9]; residual [5/9 - .2, 1/3 - .05, 0] = [.35556, .28333, 0], CDF
+    # [.35556, .63889, .63889]; last uniform 0.6 * .63889 = .38333 passes 1 entry -> token 3.
+    # seq 1: S = {2, 9, 0}, Q_S = .8, q̃(2) = .5: ratio 0.5 + 0.5 * .5/.2 = 1.75; S = {0, 8, 1},
+    # Q_S = .95, q̃(0) = .7368: ratio 0.5 + 0.5 * .7368/.7 = 1.026; S = {9, 3, 2}, Q_S = .8,
+    # q̃(9) = .25: ratio 0.5 + 0.5 * .25/.1 = 1.75. All >= 1: accepted whatever the uniforms.
+    # seq 2: S = {6, 2, 5}, Q_S = .85, q̃(5) = .05/.85 = .05882: ratio 0.5 + 0.5 * .05882/.4 =
+    # 0.5735 <= u = 0.9, rejected. The draft row lists all of S (p = [.2, .3, .4]): no probe.
+    # q̃ = [.58824, .35294, .05882]; residual [.38824, .05294, 0], CDF [.38824, .44118, .44118];
+    # 0.95 * .44118 = .41912 passes 1 entry -> token 2 (p .3, q .3, q̃ .35294).
+    u = torch.tensor(
+        [[0.79, 0.6, 0.5, 0.6], [0.99, 0.99, 0.99, 0.5], [0.9, 0.0, 0.0, 0.95]], dtype=D
+    )
+    probe = RecordingProbe({(0, 1): {1: 0.2, 3: 0.05, 7: 0.6}})
+    out = verify_listed(num, draft, guide, 0.5, u, probe)
+    # only the row that needs it is probed: sequence 0 after 1 proposal, at S of its guidance row
+    assert probe.calls == [([0], [1], [[1, 3, 7]])]
+    assert out.tokens.tolist() == [[4, 3, -1], [2, 0, 9], [2, -1, -1]]
+    assert out.num_emitted.tolist() == [2, 3, 1] and out.num_accepted.tolist() == [1, 3, 0]
+    assert out.offpolicy.tolist() == [[False, True, False], [False] * 3, [True, False, False]]
     log = math.log
-    expected_p = [[log(0.5), float("-inf"), 0.0], [log(0.2), log(0.7), log(0.1)]]
-    expected_q = [[log(0.3), log(0.3), 0.0], [log(0.4), log(0.7), log(0.2)]]
-    torch.testing.assert_close(out.draft_log_probs, torch.tensor(expected_p, dtype=D))
-    torch.testing.assert_close(out.guidance_log_probs, torch.tensor(expected_q, dtype=D))
-    # a smaller last uniform, 0.4 * 0.6 = 0.24, stops at the second entry: token 1 (q 0.5, p 0.2)
+    expected_p = [[log(0.5), log(0.05), 0.0], [log(0.2), log(0.7), log(0.1)], [log(0.3), 0.0, 0.0]]
+    # guidance_log_probs: the true log q (column 0 for proposals, the top-K value for residuals)
+    expected_q = [[log(0.3), log(0.3), 0.0], [log(0.4), log(0.7), log(0.2)], [log(0.3), 0.0, 0.0]]
+    # target_log_probs: log q̃ = log q - log Q_S; target_tv: λ(1 - Q_S)
+    expected_t = [[log(1 / 3), log(1 / 3), 0.0], [log(0.5), log(0.7 / 0.95), log(0.25)],
+                  [log(0.3 / 0.85), 0.0, 0.0]]  # fmt: skip
+    expected_tv = [[0.05, 0.05, 0.0], [0.1, 0.025, 0.1], [0.075, 0.0, 0.0]]
+    for name, expected in (("draft_log_probs", expected_p), ("guidance_log_probs", expected_q),
+                           ("target_log_probs", expected_t), ("target_tv", expected_tv)):  # fmt: skip
+        torch.testing.assert_close(getattr(out, name), torch.tensor(expected, dtype=D), rtol=1e-12,
+                                   atol=1e-12, msg=name)  # fmt: skip
+    # a smaller last uniform, 0.4 * .63889 = .25556 < .35556, stops at the first entry: token 1
+    # (q 0.5, p 0.2: the probe's value)
     u[0, -1] = 0.4
-    out = verify_listed(num, draft, guide, 0.5, u)
+    out = verify_listed(num, draft, guide, 0.5, u, probe)
     assert out.tokens[0, 1] == 1 and out.draft_log_probs[0, 1].item() == pytest.approx(log(0.2))
+    assert len(probe.calls) == 2
+    # without a probe, p(3) is unknown: refused
+    with pytest.raises(RuntimeError, match="no draft probe"):
+        verify_listed(num, draft, guide, 0.5, u)
+    # a draft row that lists a zero lists its whole support: p(3) = 0 exactly, no probe needed.
+    # Row 1 as [7, 1, 0] with p [.6, .4, 0]: ratio 0.5 + 0.5 * (1/9)/.6 = .5926 still rejects;
+    # residual [5/9 - .4, 1/3 - 0, 0] = [.15556, .33333, 0], CDF [.15556, .48889, .48889];
+    # 0.4 * .48889 = .19556 passes 1 entry -> token 3 with p = 0 (log -inf)
+    probs = np.exp(draft.log_probs)
+    probs[1] = [0.6, 0.6, 0.4, 0.0]
+    cut = _rows(draft.ids.tolist(), probs.tolist())
+    out = verify_listed(num, cut, guide, 0.5, u)
+    assert out.tokens[0].tolist() == [4, 3, -1] and np.isneginf(out.draft_log_probs[0, 1].item())
+    assert out.target_log_probs[0, 1].item() == pytest.approx(log(1 / 3))
 
 
-def _random_rows(gen: np.random.Generator, tokens: np.ndarray, vocab: int, top: int) -> ListedRows:
+def _random_rows(
+    gen: np.random.Generator, tokens: np.ndarray, vocab: int, top: int
+) -> tuple[ListedRows, np.ndarray]:
     """One engine row per token: the token, then the `top` most likely of a random distribution
-    (the token may repeat among them), with their log-probs."""
+    (the token may repeat among them), with their log-probs; and the whole (N, vocab) log-probs
+    (float32 as an engine's, the values the rows list)."""
     probs = gen.dirichlet(np.full(vocab, 0.3), len(tokens))
+    log_probs = np.log(probs).astype(np.float32)
     best = np.argsort(-probs, axis=-1)[:, :top]
     ids = np.concatenate([tokens[:, None], best], axis=-1)
-    return ListedRows(ids, np.log(np.take_along_axis(probs, ids, -1)).astype(np.float32))
+    return ListedRows(ids, np.take_along_axis(log_probs, ids, -1)), log_probs
 
 
 @pytest.mark.parametrize("lam", [0.3, 1.0])
 def test_verify_listed_equals_verify_proposals_on_topk(lam):
-    """The flat-rows path and `verify_proposals` on the same lists padded to a `TopK` give the
-    same tokens, provenance and log-probs for the same uniforms (300 sequences, k = 4)."""
+    """The flat-rows path (draft rows listing the proposal and its top-5 of V = 12, the rest
+    from a probe) and `verify_proposals` on the draft's whole tables and the guidance's top-5 as
+    a `TopK` (its set S) give the same tokens, provenance and log-probs for the same uniforms
+    (300 sequences, k = 4)."""
     gen = np.random.default_rng(3)
     batch, k, vocab = 300, 4, 12
     num = torch.from_numpy(gen.integers(1, k + 1, batch))
     tokens = gen.integers(0, vocab, int(num.sum()))
-    draft, guide = _random_rows(gen, tokens, vocab, 5), _random_rows(gen, tokens, vocab, 5)
+    (draft, draft_full), (guide, _) = (_random_rows(gen, tokens, vocab, 5) for _ in range(2))
     u = torch.from_numpy(gen.random((batch, k + 1)))
-    fast = verify_listed(num, draft, guide, lam, u)
+    starts = np.cumsum(num.numpy()) - num.numpy()
+    calls = []
+
+    def probe(rows, positions, ids):  # the draft's log p at (sequence, position): its full row
+        calls.append((rows, positions, ids))
+        return np.take_along_axis(draft_full[starts[rows] + positions], ids, -1)
+
+    fast = verify_listed(num, draft, guide, lam, u, probe)
     proposals = torch.full((batch, k), -1, dtype=torch.long)
-    proposals[torch.arange(k) < num.unsqueeze(-1)] = torch.from_numpy(tokens)
-    ref = verify_proposals(
-        proposals, num, draft.as_topk(num, k), guide.as_topk(num, k), lam, uniforms=u
-    )
+    used = torch.arange(k) < num.unsqueeze(-1)
+    proposals[used] = torch.from_numpy(tokens)
+    dense = torch.full((batch, k, vocab), -math.log(vocab), dtype=D)
+    dense[used] = torch.from_numpy(draft_full).double()
+    ids, values = guide.topk()
+    top = TopK(torch.full((batch, k, 5), -1), torch.full((batch, k, 5), float("-inf"), dtype=D))
+    top.ids[used], top.log_probs[used] = torch.from_numpy(ids), torch.from_numpy(values).double()
+    ref = verify_proposals(proposals, num, dense, top, lam, uniforms=u)
     assert fast.offpolicy.any() and (fast.num_accepted > 1).any()
     for name in ("tokens", "num_emitted", "num_accepted", "offpolicy"):
         assert torch.equal(getattr(fast, name), getattr(ref, name)), name
-    for name in ("draft_log_probs", "guidance_log_probs"):
+    for name in ("draft_log_probs", "target_log_probs", "target_tv"):
         torch.testing.assert_close(getattr(fast, name), getattr(ref, name), rtol=0, atol=1e-12)
+    # guidance_log_probs: the same on S; a proposal outside S has q̃ = 0 (the reference's -inf)
+    # and the flat path still reports its true q (column 0 of its guidance row); at λ = 1 such
+    # a proposal is always rejected (ratio q̃/p = 0)
+    outside = torch.isneginf(ref.guidance_log_probs)
+    assert bool(outside.any()) == (lam < 1) and not (ref.offpolicy & outside).any()
+    torch.testing.assert_close(fast.guidance_log_probs[~outside], ref.guidance_log_probs[~outside],
+                               rtol=0, atol=1e-12)  # fmt: skip
+    b, pos = outside.nonzero(as_tuple=True)
+    row = torch.from_numpy(starts)[b] + pos
+    torch.testing.assert_close(fast.guidance_log_probs[outside],
+                               torch.from_numpy(guide.log_probs[row, 0]).double())  # fmt: skip
+    # the probe was asked only at rejected positions, for the guidance row's S, and only where
+    # the draft's row does not list all of it
+    assert len(calls) == 1
+    rows, positions, asked = calls[0]
+    assert len(rows) and fast.offpolicy[rows, positions].all()
+    at = starts[rows] + positions
+    np.testing.assert_array_equal(asked, guide.ids[at, 1:])
+    assert not draft.take(at).knows(asked).all(-1).any()
+    rejected = fast.offpolicy.nonzero().numpy()
+    at_all = starts[rejected[:, 0]] + rejected[:, 1]
+    known = draft.take(at_all).knows(guide.ids[at_all, 1:]).all(-1)
+    assert len(rows) == (~known).sum()
+
+
+def test_verify_listed_with_partial_lists_emits_the_truncated_target():
+    """Guidance rows listing the proposal and the top-3 of V = 8, draft rows the proposal and
+    its top-2, the draft's p on S from a probe; k = 2, λ = 0.6. The first emitted token follows
+    t = (1-λ)p + λq̃ (chi-square, n = 40,000), not q_λ, and the behavior computed from the
+    result, log((1-λ)p + λq̃) with p and q̃ its draft_log_probs and target_log_probs, is the hand
+    value of every emitted token (1e-12).
+    p = [.3, .2, .15, .1, .1, .08, .05, .02], q = [.02, .05, .08, .3, .1, .25, .15, .05]:
+    S = {3, 5, 6}, Q_S = .7, q̃ = [0, 0, 0, 3/7, 0, 5/14, 3/14, 0];
+    t = .4p + .6q̃ = [.12, .08, .06, .297143, .04, .246286, .148571, .008]
+    (q_λ = .4p + .6q = [.132, .11, .108, .22, .1, .182, .11, .038])."""
+    lam, n, k = 0.6, 40_000, 2
+    p = np.array([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02])
+    q = np.array([0.02, 0.05, 0.08, 0.3, 0.1, 0.25, 0.15, 0.05])
+    q_t = np.array([0, 0, 0, 3 / 7, 0, 5 / 14, 3 / 14, 0])
+    t = np.array([0.12, 0.08, 0.06, 0.04 + 0.6 * 3 / 7, 0.04,
+                  0.032 + 0.6 * 5 / 14, 0.02 + 0.6 * 3 / 14, 0.008])  # fmt: skip
+    np.testing.assert_allclose((1 - lam) * p + lam * q_t, t, rtol=1e-12)
+    gen = np.random.default_rng(17)
+    x = gen.choice(8, size=2 * n, p=p)  # two proposals per sequence, i.i.d. from p
+    num = torch.full((n,), k)
+    draft_ids = np.stack([x, np.zeros_like(x), np.ones_like(x)], 1)  # x, then p's top-2 {0, 1}
+    draft = ListedRows(draft_ids, np.log(p[draft_ids]))
+    s_ids = np.array([3, 5, 6])
+    guide_ids = np.concatenate([x[:, None], np.tile(s_ids, (2 * n, 1))], 1)  # x, then S
+    guide = ListedRows(guide_ids, np.log(q[guide_ids]))
+    calls = []
+
+    def probe(rows, positions, tokens):
+        calls.append((rows, positions, tokens))
+        return np.log(p[tokens])
+
+    u = torch.from_numpy(gen.random((n, k + 1)))
+    out = verify_listed(num, draft, guide, lam, u, probe)
+    first = out.tokens[:, 0].numpy()
+    counts = torch.from_numpy(np.bincount(first, minlength=8)).to(D)
+    assert _chi2_ok(counts, torch.from_numpy(t)) > 1e-3
+    q_lam = (1 - lam) * p + lam * q
+    assert chisquare(counts.numpy(), q_lam * n).pvalue < 1e-6
+    # the second token (where the first was accepted) follows t too
+    second = out.tokens[:, 1].numpy()
+    second = second[second >= 0]
+    counts = torch.from_numpy(np.bincount(second, minlength=8)).to(D)
+    assert _chi2_ok(counts, torch.from_numpy(t)) > 1e-3
+    # every rejection was probed (the draft row never lists all of S), at its position, for S
+    assert len(calls) == 1
+    rows, positions, tokens = calls[0]
+    rejected = out.offpolicy.nonzero().numpy()
+    np.testing.assert_array_equal(np.stack([rows, positions], 1), rejected)
+    np.testing.assert_array_equal(tokens, np.tile(s_ids, (len(rows), 1)))
+    # per-token values and the behavior log((1-λ)p + λq̃) against the hand values
+    valid = out.tokens >= 0
+    y = out.tokens[valid].numpy()
+    log_p, log_t = out.draft_log_probs[valid].numpy(), out.target_log_probs[valid].numpy()
+    np.testing.assert_allclose(log_p, np.log(p[y]), rtol=1e-12)
+    with np.errstate(divide="ignore"):
+        np.testing.assert_allclose(log_t, np.log(q_t[y]), rtol=1e-12)
+    np.testing.assert_allclose(out.guidance_log_probs[valid].numpy(), np.log(q[y]), rtol=1e-12)
+    np.testing.assert_allclose(out.target_tv[valid].numpy(), np.full(len(y), lam * 0.3), rtol=1e-12)
+    behavior = np.logaddexp(math.log1p(-lam) + log_p, math.log(lam) + log_t)
+    np.testing.assert_allclose(behavior, np.log(t[y]), rtol=0, atol=1e-12)
 
 
 def test_verify_listed_refuses_rows_of_different_proposals():
@@ -323,28 +454,58 @@ def test_verify_listed_refuses_rows_of_different_proposals():
 
 
 def test_draw_bonus_hand_values():
-    """λ = 0.5; rows 0 and 1 draw from q (u < λ), row 2 keeps the draft's lookahead token."""
-    draft = _rows([[4, 4, 2, 9], [4, 4, 2, 9], [5, 1, 5, 3]],
-                  [[0.5, 0.5, 0.3, 0.1], [0.5, 0.5, 0.3, 0.1], [0.2, 0.4, 0.2, 0.1]])  # fmt: skip
-    guide = _rows([[2, 2, 4, 7], [2, 2, 4, 7], [1, 1, 3, 0]],
-                  [[0.6, 0.6, 0.3, 0.1], [0.6, 0.6, 0.3, 0.1], [0.7, 0.7, 0.2, 0.05]])  # fmt: skip
-    # row 0: u = 0.2 -> u/λ = 0.4; the guidance's CDF over [2, (repeat), 4, 7] is
-    # [0.6, 0.6, 0.9, 1.0] and 0.4 * 1.0 passes no entry -> token 2 (q 0.6, p 0.3 from the list)
-    # row 1: u = 0.4 -> 0.8 passes 2 entries -> token 4 (q 0.3, p 0.5)
-    # row 2: u = 0.7 >= λ -> the lookahead token 5 (p 0.2), which the guidance does not list:
-    # its q was not reported (the row lists no zero, 0.05 of its mass is elsewhere): NaN
-    tokens, off, log_p, log_q = draw_bonus(draft, guide, 0.5, np.array([0.2, 0.4, 0.7]))
-    assert tokens.tolist() == [2, 4, 5] and off.tolist() == [True, True, False]
-    log = math.log
-    np.testing.assert_allclose(log_p, [log(0.3), log(0.5), log(0.2)], rtol=1e-12)
-    np.testing.assert_allclose(log_q, [log(0.6), log(0.3), float("nan")], rtol=1e-12)
-    # the same row after a top-k cut lists a zero (token 0): unlisted token 5 is an exact 0
+    """λ = 0.5; rows 0, 1 and 3 draw y ~ q̃ (u < λ) from the guidance row's top-K columns only,
+    row 2 keeps the draft's lookahead token; row 3's y is not in its draft row: probed."""
+    draft = _rows([[4, 4, 2, 9], [4, 4, 2, 9], [5, 1, 5, 3], [4, 4, 2, 9]],
+                  [[0.5, 0.5, 0.3, 0.1], [0.5, 0.5, 0.3, 0.1], [0.2, 0.4, 0.2, 0.1],
+                   [0.5, 0.5, 0.3, 0.1]])  # fmt: skip
+    guide = _rows([[2, 2, 4, 7], [2, 2, 4, 7], [1, 1, 3, 0], [2, 2, 4, 7]],
+                  [[0.6, 0.6, 0.3, 0.1], [0.6, 0.6, 0.3, 0.1], [0.7, 0.7, 0.2, 0.05],
+                   [0.6, 0.6, 0.3, 0.1]])  # fmt: skip
+    # rows 0, 1, 3: S = [2, 4, 7] (column 0 is no entry of its own), q [.6, .3, .1], Q_S = 1:
+    # CDF [.6, .9, 1.0], tv = 0.5 * 0 = 0.
+    # row 0: u = 0.2 -> u/λ = 0.4 passes no entry -> token 2 (q .6, p .3 from the draft's list)
+    # row 1: u = 0.4 -> 0.8 passes 1 entry -> token 4 (q .3, p .5)
+    # row 3: u = 0.48 -> 0.96 passes 2 entries -> token 7 (q .1), which the draft row [4, 2, 9]
+    # does not list (and lists no zero): the probe gives p(7) = 0.05
+    # row 2: u = 0.7 >= λ -> the lookahead token 5 (p .2), outside S = {1, 3, 0} (Q_S = .95,
+    # tv = 0.5 * .05 = .025): q̃(5) = 0 (log -inf); its q was not reported (the row lists no
+    # zero, .05 of its mass is elsewhere): NaN
+    calls = []
+
+    def probe(rows, tokens):
+        calls.append((rows.tolist(), tokens.tolist()))
+        return np.log(np.full(tokens.shape, 0.05))
+
+    out = draw_bonus(draft, guide, 0.5, np.array([0.2, 0.4, 0.7, 0.48]), probe)
+    assert set(out) == {"tokens", "offpolicy", "log_p", "log_q", "log_t", "tv"}
+    assert calls == [([3], [[7]])]  # row indices of the rows given, tokens (R, 1)
+    assert out["tokens"].tolist() == [2, 4, 5, 7]
+    assert out["offpolicy"].tolist() == [True, True, False, True]
+    log, nan, ninf = math.log, float("nan"), float("-inf")
+    np.testing.assert_allclose(out["log_p"], [log(0.3), log(0.5), log(0.2), log(0.05)], rtol=1e-12)
+    np.testing.assert_allclose(out["log_q"], [log(0.6), log(0.3), nan, log(0.1)], rtol=1e-12)
+    np.testing.assert_allclose(out["log_t"], [log(0.6), log(0.3), ninf, log(0.1)], rtol=1e-12)
+    np.testing.assert_allclose(out["tv"], [0.0, 0.0, 0.025, 0.0], rtol=1e-12, atol=1e-15)
+    # without a probe, row 3's p(7) is unknown: refused
+    with pytest.raises(RuntimeError, match="no probe"):
+        draw_bonus(draft, guide, 0.5, np.array([0.2, 0.4, 0.7, 0.48]))
+    # the same row 2 after a top-k cut lists a zero (token 0): unlisted token 5 is an exact 0
     cut = _rows([[1, 1, 3, 0]], [[0.7, 0.7, 0.3, 0.0]])
-    assert np.isneginf(draw_bonus(draft.take([2]), cut, 0.5, np.array([0.7]))[3]).all()
-    # λ = 0 always keeps the lookahead; λ = 1 always draws from q: row 2's 0.7 * 0.95 = 0.665
-    # passes no entry of [0.7, 0.7, 0.9, 0.95] -> token 1
-    assert draw_bonus(draft, guide, 0.0, np.array([0.0, 0.4, 0.7]))[0].tolist() == [4, 4, 5]
-    assert draw_bonus(draft, guide, 1.0, np.array([0.2, 0.4, 0.7]))[0].tolist() == [2, 2, 1]
+    assert np.isneginf(draw_bonus(draft.take([2]), cut, 0.5, np.array([0.7]))["log_q"]).all()
+    # a guidance row whose S is not all of q's mass: q̃ renormalises over it. S = [3, 1, 0] with
+    # q [.2, .3, .1], Q_S = .6 (column 0, token 8 at .3, is not in S): u/λ = 0.8 * .6 = .48 passes
+    # [.2] -> token 1, q̃ = .3/.6 = .5; tv = 0.5 * .4 = .2; p(1) = .4 from the draft row
+    part = _rows([[8, 3, 1, 0]], [[0.3, 0.2, 0.3, 0.1]])
+    one = draw_bonus(draft.take([2]), part, 0.5, np.array([0.4]))
+    assert one["tokens"].tolist() == [1] and one["offpolicy"].tolist() == [True]
+    np.testing.assert_allclose([one["log_p"][0], one["log_q"][0], one["log_t"][0], one["tv"][0]],
+                               [log(0.4), log(0.3), log(0.5), 0.2], rtol=1e-12)  # fmt: skip
+    # λ = 0 always keeps the lookahead (no probe needed); λ = 1 always draws from q̃: row 2's
+    # 0.7 * .95 = .665 passes no entry of [.7, .9, .95] -> token 1; row 3's .48 passes none -> 2
+    u = np.array([0.2, 0.4, 0.7, 0.48])
+    assert draw_bonus(draft, guide, 0.0, u)["tokens"].tolist() == [4, 4, 5, 4]
+    assert draw_bonus(draft, guide, 1.0, u)["tokens"].tolist() == [2, 2, 1, 2]
 
 
 # ---------------------------------------------------------------------------------------- loop
@@ -382,23 +543,25 @@ def toy_engines(gen: torch.Generator):
     return propose, score
 
 
-def chain_prob(seq, lam, start=0, eos=None):
+def chain_prob(seq, lam, start=0, q=Q_CHAIN):
+    """Probability of `seq` under the chain (1-λ)·P + λ·q (q: Q_CHAIN, or a truncated q̃)."""
     prob, prev = 1.0, start
-    mix = (1 - lam) * P_CHAIN + lam * Q_CHAIN
+    mix = (1 - lam) * P_CHAIN + lam * q
     for tok in seq:
         prob *= mix[prev, tok].item()
         prev = tok
     return prob
 
 
-def chain_pvalue(seqs: list, lam: float, length: int) -> float:
-    """Chi-square p-value of `length`-token sequences from token 0 against the chain mixture."""
+def chain_pvalue(seqs: list, lam: float, length: int, q: torch.Tensor = Q_CHAIN) -> float:
+    """Chi-square p-value of `length`-token sequences from token 0 against the chain mixture
+    (1-λ)·P + λ·q."""
     outcomes = list(itertools.product(range(V), repeat=length))
     index = {o: i for i, o in enumerate(outcomes)}
     counts = torch.zeros(len(outcomes), dtype=D)
     for s in seqs:
         counts[index[tuple(s.tokens)]] += 1
-    probs = torch.tensor([chain_prob(o, lam) for o in outcomes], dtype=D)
+    probs = torch.tensor([chain_prob(o, lam, q=q) for o in outcomes], dtype=D)
     return _chi2_ok(counts, probs)
 
 
@@ -517,6 +680,9 @@ class ToyStepper:
     def lookahead(self, key):
         return None
 
+    def probe(self, ids, prefixes, tokens):
+        raise AssertionError("dense draft tables give p everywhere: nothing to probe")
+
     def step(self):
         self.shared.append(tuple(sorted(self.running)))
         done = []
@@ -594,21 +760,39 @@ def test_overlapped_generate_follows_q_lambda():
     assert chain_pvalue([s for b in batches for s in b.seqs], lam, length) > 1e-3
 
 
-def chain_rows(table: torch.Tensor, prev: np.ndarray, tokens: np.ndarray) -> ListedRows:
-    """Rows of a chain at states `prev` (N,): column 0 the token, then every token of V."""
-    ids = np.concatenate([tokens[:, None], np.tile(np.arange(V), (len(prev), 1))], axis=1)
+def chain_rows(
+    table: torch.Tensor, prev: np.ndarray, tokens: np.ndarray, top: int | None = None
+) -> ListedRows:
+    """Rows of a chain at states `prev` (N,): column 0 the token, then every token of V, or with
+    `top` only the `top` most likely (ties in id order), as an engine's top-K."""
+    order = np.tile(np.arange(V), (len(prev), 1))
+    if top is not None:
+        order = np.argsort(-table.numpy()[prev], axis=-1, kind="stable")[:, :top]
+    ids = np.concatenate([tokens[:, None], order], axis=1)
     return ListedRows(ids, np.log(table.numpy()[prev[:, None], ids]))
+
+
+def truncated_chain(table: torch.Tensor, top: int) -> torch.Tensor:
+    """q̃: each row of `table` renormalised over its `top` most likely tokens (as `chain_rows`)."""
+    keep = torch.zeros_like(table, dtype=torch.bool)
+    keep.scatter_(
+        -1, torch.from_numpy(np.argsort(-table.numpy(), -1, kind="stable")[:, :top]), True
+    )
+    kept = torch.where(keep, table, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
 
 
 class ListedChainStepper:
     """The chain draft as a `DraftStepper` with flat rows and lookahead tokens: a round's
     proposals come after max(budget) steps, its lookahead one step later. Every round draws
     k + 1 tokens per sequence from its batch's generator, used or not, so what is drawn never
-    depends on timing."""
+    depends on timing. Rows list all of V, or with `top` the proposal and the top `top`; `probe`
+    answers from the chain and records (ids, prefixes, tokens) of each call."""
 
-    def __init__(self, seeds: dict[int, int]):
+    def __init__(self, seeds: dict[int, int], top: int | None = None):
         self.gens = {key: np.random.default_rng(seed) for key, seed in seeds.items()}
         self.running: dict[int, list] = {}
+        self.top, self.calls = top, []
 
     def start(self, key, ids, prefixes, budget, lookahead):
         gen, k = self.gens[key], max(budget)
@@ -622,11 +806,15 @@ class ListedChainStepper:
         prev = np.stack(states[:-1], axis=1)
         num = torch.tensor(budget)
         used = np.arange(k) < np.array(budget)[:, None]
-        rows = chain_rows(P_CHAIN, prev[:, :k][used], drawn[:, :k][used])
+        rows = chain_rows(P_CHAIN, prev[:, :k][used], drawn[:, :k][used], self.top)
         proposals = torch.from_numpy(np.where(used, drawn[:, :k], -1))
         has = np.array(lookahead)
         at = np.array(budget)[has]
-        extra = (has, chain_rows(P_CHAIN, prev[has, at], drawn[has, at])) if has.any() else None
+        extra = (
+            (has, chain_rows(P_CHAIN, prev[has, at], drawn[has, at], self.top))
+            if has.any()
+            else None
+        )
         self.running[key] = [k, (proposals, num, rows), extra, 1 if has.any() else 0]
 
     @property
@@ -650,32 +838,41 @@ class ListedChainStepper:
     def lookahead(self, key):
         return self.running.pop(key)[2]
 
+    def probe(self, ids, prefixes, tokens):
+        self.calls.append((list(ids), [list(p) for p in prefixes], tokens.copy()))
+        return np.log(P_CHAIN.numpy()[np.array([p[-1] for p in prefixes])[:, None], tokens])
+
 
 class ListedChainScorer(ToyScorer):
-    """The chain guidance with flat rows, and one row past each sequence's last proposal."""
+    """The chain guidance with flat rows (all of V, or the proposal and the top `top`), and one
+    row past each sequence's last proposal (column 0 its most likely token)."""
 
-    def __init__(self):
+    def __init__(self, top: int | None = None):
         super().__init__(None, None)
+        self.top = top
 
     def submit(self, ids, prefixes, proposals, num):
         num_np = num.numpy()
         last = np.array([p[-1] for p in prefixes])
         prev = np.concatenate([last[:, None], proposals[:, :-1].clamp(min=0).numpy()], axis=1)
         used = np.arange(proposals.shape[1]) < num_np[:, None]
-        rows = chain_rows(Q_CHAIN, prev[used], proposals.numpy()[used])
+        rows = chain_rows(Q_CHAIN, prev[used], proposals.numpy()[used], self.top)
         end = proposals.numpy()[np.arange(len(num_np)), num_np - 1]
-        following = chain_rows(Q_CHAIN, end, Q_CHAIN.numpy()[end].argmax(-1))
+        following = chain_rows(Q_CHAIN, end, Q_CHAIN.numpy()[end].argmax(-1), self.top)
         self.queue.append((rows, following))
 
 
-def run_bonus_batches(lam: float, k: int, n: int, length: int, stagger: int):
-    """Two batches of n prompts [0] with bonus tokens through `overlapped_generate`."""
+def run_bonus_batches(
+    lam: float, k: int, n: int, length: int, stagger: int, draft_top=None, guide_top=None
+):
+    """Two batches of n prompts [0] with bonus tokens through `overlapped_generate`; returns
+    the batches and the draft stepper (its probe calls)."""
     batches = [SpeculativeBatch([[0]] * n, lam, k, length, None, torch.Generator().manual_seed(41 + g),
                                 ids=list(range(g * n, (g + 1) * n)), bonus=True) for g in range(2)]  # fmt: skip
-    stepper, scorer = ListedChainStepper({0: 51, 1: 52}), ListedChainScorer()
+    stepper, scorer = ListedChainStepper({0: 51, 1: 52}, draft_top), ListedChainScorer(guide_top)
     overlapped_generate(batches, stepper, scorer, stagger)
     assert not stepper.running and not scorer.queue
-    return batches
+    return batches, stepper
 
 
 @pytest.mark.parametrize(("lam", "k"), [(0.5, 1), (0.5, 2), (0.0, 2), (1.0, 1), (0.8, 2)])
@@ -684,7 +881,8 @@ def test_bonus_tokens_follow_q_lambda(lam, k):
     sequences of 2 x 10,000 prompts still follow the chain mixture q_λ (chi-square); every
     token's recorded log-probs are the chains' values, and λ = 0 never emits a guidance token."""
     n, length = 10_000, 3
-    batches = run_bonus_batches(lam, k, n, length, 1)
+    batches, stepper = run_bonus_batches(lam, k, n, length, 1)
+    assert not stepper.calls  # rows list all of V: the probe is never needed
     assert chain_pvalue([s for b in batches for s in b.seqs], lam, length) > 1e-3
     stats = [b.stats for b in batches]
     assert all(st.bonus > 0 for st in stats)  # each batch emitted bonus tokens
@@ -702,11 +900,60 @@ def test_bonus_tokens_follow_q_lambda(lam, k):
     )
 
 
+@pytest.mark.parametrize(("lam", "k"), [(0.5, 2), (0.8, 1)])
+def test_partial_lists_with_probe_follow_the_truncated_chain(lam, k):
+    """Draft rows listing the proposal and its top-1, guidance rows its top-2 of V = 3, with
+    bonus tokens, through `overlapped_generate`: 3-token sequences of 2 x 10,000 prompts follow
+    the chain (1-λ)·P + λ·Q̃ (Q̃ = Q renormalised over each row's top-2), not q_λ (chi-square).
+    The draft's p on S comes from `DraftStepper.probe`, which each call asks at the prefix the
+    token is drawn after (prompt + emitted + proposals before it), for tokens drawn there."""
+    n, length = 10_000, 3
+    q_t = truncated_chain(Q_CHAIN, 2)  # rows: [0, 2/9, 7/9], [2/3, 0, 1/3], [1/3, 2/3, 0]
+    torch.testing.assert_close(
+        q_t, torch.tensor([[0, 2 / 9, 7 / 9], [2 / 3, 0, 1 / 3], [1 / 3, 2 / 3, 0]], dtype=D)
+    )
+    batches, stepper = run_bonus_batches(lam, k, n, length, 1, draft_top=1, guide_top=2)
+    seqs = [s for b in batches for s in b.seqs]
+    assert chain_pvalue(seqs, lam, length, q=q_t) > 1e-3
+    assert chain_pvalue(seqs, lam, length) < 1e-6  # q_λ itself is not what is sampled
+    assert all(b.stats.bonus > 0 for b in batches)
+    # every probe call: each prefix is a prefix of its sequence, the token that followed it is
+    # one of the tokens asked (a residual over S, or the bonus y)
+    assert stepper.calls
+    for ids, prefixes, tokens in stepper.calls:
+        for i, prefix, asked in zip(ids, prefixes, tokens, strict=True):
+            full = [0, *seqs[i].tokens]
+            assert len(prefix) < len(full) and full[: len(prefix)] == prefix
+            assert full[len(prefix)] in asked.tolist()
+    # recorded values: log p and log q̃ exact, log q the chain's where reported (NaN only for a
+    # bonus lookahead outside S), TV λ(1 - Q_S); behavior log((1-λ)p + λq̃) is the chain's
+    tokens = np.array([s.tokens for s in seqs])
+    prevs = np.concatenate([np.zeros((len(seqs), 1), dtype=int), tokens[:, :-1]], axis=1)
+    field = lambda name: np.array([getattr(s, name) for s in seqs])  # noqa: E731
+    np.testing.assert_allclose(
+        field("draft_log_probs"), np.log(P_CHAIN.numpy()[prevs, tokens]), rtol=1e-12
+    )
+    with np.errstate(divide="ignore"):
+        log_q_t = np.log(q_t.numpy()[prevs, tokens])
+    np.testing.assert_allclose(field("target_log_probs"), log_q_t, rtol=1e-12)
+    log_q = field("guidance_log_probs")
+    reported = ~np.isnan(log_q)
+    assert np.isneginf(log_q_t[~reported]).all() and not field("offpolicy")[~reported].any()
+    np.testing.assert_allclose(
+        log_q[reported], np.log(Q_CHAIN.numpy()[prevs, tokens])[reported], rtol=1e-12
+    )
+    mass = np.array([0.9, 0.9, 0.75])  # Q_S of each state's top-2
+    np.testing.assert_allclose(field("target_tv"), lam * (1 - mass[prevs]), rtol=1e-12)
+    behavior = np.logaddexp(math.log1p(-lam) + field("draft_log_probs"), math.log(lam) + log_q_t)
+    mix = ((1 - lam) * P_CHAIN + lam * q_t).numpy()
+    np.testing.assert_allclose(behavior, np.log(mix[prevs, tokens]), rtol=0, atol=1e-12)
+
+
 def test_bonus_tokens_do_not_depend_on_timing():
     """The same batches with bonus tokens, their rounds overlapping differently (stagger 1 or
     3), emit the same tokens, provenance and counters: bonus tokens change what is drawn only
     through the batches' own generators."""
-    one, two = run_bonus_batches(0.5, 2, 50, 7, 1), run_bonus_batches(0.5, 2, 50, 7, 3)
+    (one, _), (two, _) = run_bonus_batches(0.5, 2, 50, 7, 1), run_bonus_batches(0.5, 2, 50, 7, 3)
     for a, b in zip(one, two, strict=True):
         assert [s.tokens for s in a.seqs] == [s.tokens for s in b.seqs]
         assert [s.offpolicy for s in a.seqs] == [s.offpolicy for s in b.seqs]

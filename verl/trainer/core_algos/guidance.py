@@ -111,10 +111,15 @@ def guidance_tensors(
     lam: float,
     mode: str = "speculative",
     behavior: str = "exact",
+    target_log_probs: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The rollout's guidance tensors from per-token log p and log q, all (B, T).
 
-    μ_t = `compute_behavior_log_probs`(p, q) with q = 0 wherever log q is -inf or NaN.
+    μ_t = `compute_behavior_log_probs`(p, q) with q = 0 wherever log q is -inf or NaN. With
+    `target_log_probs` (log q̃, the guidance part of the target the speculative rollout actually
+    sampled, e.g. q renormalised over its listed set) the rule `exact` uses q̃ in place of q:
+    μ = (1-λ)·p + λ·q̃, the probability of the procedure run; q̃ is known for every token, so
+    nothing is missing from μ.
     log q reads -inf where q is exactly 0 after the sampling settings' processing (top-k, top-p)
     and NaN where the guidance did not report it. Both give `guidance_log_probs` =
     `LOG_PROB_FLOOR` and a behavior computed with q = 0, so (rule `exact`) a draft token outside
@@ -131,7 +136,11 @@ def guidance_tensors(
     guide = guide.clamp(min=LOG_PROB_FLOOR)
     draft = draft_log_probs.nan_to_num(neginf=LOG_PROB_FLOOR).clamp(min=LOG_PROB_FLOOR)
     off = offpolicy_mask.bool() & valid
-    mu = compute_behavior_log_probs(draft, guide, off, lam, mode, behavior)
+    if target_log_probs is not None and mode == "speculative" and behavior == "exact":
+        target = target_log_probs.nan_to_num(neginf=LOG_PROB_FLOOR).clamp(min=LOG_PROB_FLOOR)
+        mu = mixture_log_probs(draft, target, off, lam)
+    else:
+        mu = compute_behavior_log_probs(draft, guide, off, lam, mode, behavior)
     mask = valid.to(guide.dtype)
     return {
         "guidance_log_probs": guide * mask,

@@ -183,16 +183,23 @@ class _Server:
     def capacity(self, max_tokens_per_session: int) -> int:
         return self.sessions.capacity(max_tokens_per_session)
 
-    def score(self, chunks: list, rows: list[tuple[int, int]], num_logprobs: int) -> tuple:
+    def score(
+        self, chunks: list, rows: list[tuple[int, int]], num_logprobs: int, processing: dict
+    ) -> tuple:
         """Run scoring chunks (session id, tokens, max_tokens=1, recompute_from) and return
         ((ids, log-probs) of the prompt log-prob rows rows[c] = (first, count) of each chunk c,
         stacked (N, K+1); (ids, log-probs) (C, K+1) of the top-K one position past each chunk's
-        tokens; the number of tokens the engine computed)."""
+        tokens; the number of tokens the engine computed). Every row is processed with
+        `processing` (temperature, top_k, top_p) in the engine, as vLLM's sampler processes a
+        sampled row: prompt rows by the session patch (`PROCESS_KEY`), the row past the tokens by
+        the sampler (the engine reports processed log-probs)."""
+        from verl_patches.vllm_session_rewind import PROCESS_KEY
         from vllm import SamplingParams
 
         def new_params(sid: str, max_tokens: int):
             return SamplingParams(max_tokens=max_tokens, prompt_logprobs=num_logprobs, logprobs=num_logprobs,
-                                  detokenize=False, skip_clone=True)  # fmt: skip
+                                  detokenize=False, skip_clone=True, extra_args={PROCESS_KEY: True},
+                                  **processing)  # fmt: skip
 
         before = self.sessions.tokens_computed
         results = self.sessions.run(chunks, new_params)

@@ -154,40 +154,38 @@ class ListedRows:
             taken._deduped = self._deduped[rows]
         return taken
 
-    def processed(
-        self, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0
-    ) -> ListedRows:
-        """`process_log_probs` over each row's listed tokens (repeats dropped, renormalised), for
-        rows of raw log-probs. Exact where the row lists the whole vocabulary or top-k <= K cuts
-        inside the list. At temperature 1 without top-k the nucleus is cut on the listed
-        tokens' true probabilities (top_p / listed mass on the renormalised ones), so top-p is
-        exact wherever the nucleus is listed; otherwise the renormalisation over the listed
-        tokens overstates each log-prob by at most -log(1 - tail) at temperature <= 1."""
-        rows = torch.from_numpy(self.deduped())
-        if top_p < 1.0 and temperature == 1.0 and top_k in (-1, 0, None):
-            listed = torch.from_numpy(1.0 - self.tail_mass()).unsqueeze(-1)
-            top_p = top_p / listed  # > 1 where the nucleus reaches past the list: no cut
-        processed = process_log_probs(rows, temperature=temperature, top_k=top_k, top_p=top_p)
-        return ListedRows(self.ids, processed.numpy())
+    def topk_mass(self) -> np.ndarray:
+        """(N,) Q = the probability mass of the top-K columns (the listed set S, column 0 left out:
+        it is the row's own token, not part of S unless it repeats a top-K entry)."""
+        return np.exp(self.log_probs[:, 1:].astype(np.float64)).sum(-1)
 
     def tail_mass(self) -> np.ndarray:
-        """(N,) probability mass not listed: 1 - sum of the listed probabilities, >= 0."""
-        return np.clip(1.0 - np.exp(self.deduped()).sum(-1), 0.0, None)
+        """(N,) probability mass outside the top-K columns: 1 - Q, >= 0."""
+        return np.clip(1.0 - self.topk_mass(), 0.0, None)
 
     def lookup(self, tokens: np.ndarray) -> np.ndarray:
-        """Log-probs of `tokens` (N, M) in each row: (N, M), -inf where a token is not listed."""
-        hit = tokens[:, :, None] == self.ids[:, None, :]  # (N, M, K+1)
-        return np.where(hit, self.deduped()[:, None, :], NEG_INF).max(-1)
+        """Log-probs of `tokens` (N, M) in each row: (N, M), -inf where a token is not listed.
+        O((K + M) log) per row (a sorted search, never an (N, M, K) comparison)."""
+        return _sorted_lookup(self.ids, self.log_probs.astype(np.float64), tokens)
+
+    def in_topk(self, tokens: np.ndarray) -> np.ndarray:
+        """(N,) whether each row's token (N,) is one of its top-K columns (the listed set S)."""
+        return (tokens[:, None] == self.ids[:, 1:]).any(-1)
 
     def lookup_one(self, tokens: np.ndarray, unknown: float = NEG_INF) -> np.ndarray:
         """`lookup` of one token per row: tokens (N,) -> (N,). A token the row does not list reads
         -inf where the row lists its whole support (`lists_support`: its probability is exactly
         0) and `unknown` elsewhere (default -inf too; NaN keeps "not reported" apart from 0)."""
         hit = tokens[:, None] == self.ids  # (N, K+1)
-        found = np.where(hit, self.deduped(), NEG_INF).max(-1)
+        found = np.where(hit, self.log_probs.astype(np.float64), NEG_INF).max(-1)
         if np.isnan(unknown):
             found[~hit.any(-1) & ~self.lists_support()] = unknown
         return found
+
+    def knows(self, tokens: np.ndarray) -> np.ndarray:
+        """(N, M) whether each row gives the probability of `tokens` (N, M): listed, or the row
+        lists its whole support (an unlisted token then has probability exactly 0)."""
+        return _sorted_has(self.ids, tokens) | self.lists_support()[:, None]
 
     def topk(self) -> tuple[np.ndarray, np.ndarray]:
         """(N, K) ids and log-probs of the top-K columns, a repeat of column 0 read at column 0's
@@ -215,6 +213,44 @@ class ListedRows:
         return TopK.dedupe(ids, values)
 
 
+def _flat_keys(ids: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Row-offset keys: (sorted keys of `ids` (N, K), their order, keys of `tokens` (N, M))."""
+    width = int(max(ids.max(initial=0), tokens.max(initial=0))) + 2
+    offset = np.arange(ids.shape[0], dtype=np.int64)[:, None] * width
+    keys = (ids.astype(np.int64) + 1 + offset).ravel()  # +1: padding ids of -1 stay in their row
+    order = np.argsort(keys, kind="stable")
+    return keys[order], order, (tokens.astype(np.int64) + 1 + offset)
+
+
+def _sorted_has(ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """(N, M) whether tokens[n, m] appears in ids[n] (N, K), by a sorted search."""
+    keys, _, queries = _flat_keys(ids, tokens)
+    at = np.searchsorted(keys, queries).clip(max=len(keys) - 1)
+    return keys[at] == queries
+
+
+def _sorted_lookup(ids: np.ndarray, values: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """values[n, j] where ids[n, j] == tokens[n, m], -inf where absent: (N, M). A token listed
+    twice (column 0 repeating a top-K entry) reads the larger of its two values. O((NK + NM) log)
+    time and O(NK + NM) memory."""
+    if ids.size == 0 or tokens.size == 0:
+        return np.full(tokens.shape, NEG_INF)
+    keys, order, queries = _flat_keys(ids, tokens)
+    flat = values.ravel()[order]
+    # a repeated token (column 0 again in the top-K) has the same value twice: take the larger
+    right = np.searchsorted(keys, queries, side="right") - 1
+    left = np.searchsorted(keys, queries, side="left").clip(max=len(keys) - 1)
+    hit = (right >= 0) & (keys[right.clip(min=0)] == queries)
+    found = np.maximum(flat[right.clip(min=0)], flat[left])
+    return np.where(hit, found, NEG_INF)
+
+
+DraftProbe = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+"""probe(rows, positions, ids) -> (R, M) log p: the draft's processed log-probs of ids (R, M) at
+the position after positions[r] of round row rows[r]'s proposals (its prefix plus that many
+proposals), for tokens the draft's listed rows do not give (an engine lookup)."""
+
+
 @dataclass
 class VerifyResult:
     """What one round emits, per sequence (tensors padded to k)."""
@@ -234,6 +270,12 @@ class VerifyResult:
     """(B, k) log q(emitted token) (processed guidance distribution; -inf where q = 0 after
     processing, e.g. a proposal that the guidance's top-k or top-p cuts: an exact 0, since every
     proposal's q is reported, column 0 of its row)."""
+    target_log_probs: torch.Tensor | None = None
+    """(B, k) log q̃(emitted token), the guidance part of the target the round sampled: q
+    renormalised over the guidance's listed set S (-inf outside it), μ = (1-λ)p + λq̃."""
+    target_tv: torch.Tensor | None = None
+    """(B, k) TV(target, q_λ) = λ·(1 - Q_S) at each emitted token's position (0 where S holds
+    all of q's mass)."""
 
 
 def verify_proposals(
@@ -245,12 +287,15 @@ def verify_proposals(
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
 ) -> VerifyResult:
-    """Accept / reject a batch of proposals so the emitted tokens follow q_λ = (1-λ)p + λq.
+    """Accept / reject a batch of proposals so the emitted tokens follow t = (1-λ)p + λq̃, q̃ = q
+    renormalised over the guidance's listed set (q itself for a dense table: t = q_λ); the
+    torch reference of `verify_listed` (same decisions and tokens for the same uniforms).
 
     Shapes: proposals (B, k) long, num_proposed (B,); the processed draft / guidance log-probs at
-    each proposal position as dense (B, k, V) tables or `TopK` lists (B, k, K): a token not
-    listed has probability 0, so the residual max(0, q - p) is drawn among the guidance's listed
-    tokens, by inverse CDF in listed order. `uniforms` (B, k'+1) in [0, 1), k' >= k: column i < k
+    each proposal position as dense (B, k, V) tables or `TopK` lists (B, k, K). A guidance list
+    is its set S (it must not depend on the proposal); the residual max(0, q̃ - p) is drawn over
+    S by inverse CDF in listed order, and needs p on S: a draft `TopK` that does not list a
+    token of S raises. `uniforms` (B, k'+1) in [0, 1), k' >= k: column i < k
     tests proposal i, the last column draws the residual token (default: from `generator`).
     Returns a `VerifyResult`.
     Paper: https://arxiv.org/abs/2211.17192 (speculative sampling, exact for any target).
@@ -261,7 +306,9 @@ def verify_proposals(
     device = proposals.device
     log_p_x = p.lookup(proposals.unsqueeze(-1)).squeeze(-1)
     log_q_x = q.lookup(proposals.unsqueeze(-1)).squeeze(-1)
-    ratio = (1.0 - lam) + lam * torch.exp(log_q_x - log_p_x)
+    log_mass = torch.logsumexp(q.log_probs, dim=-1)  # log Q_S (B, k)
+    log_t_x = log_q_x - log_mass
+    ratio = (1.0 - lam) + lam * torch.exp(log_t_x - log_p_x)
     if uniforms is None:
         uniforms = torch.rand(batch, k + 1, generator=generator, dtype=torch.float64)
     uniforms = uniforms.to(device=device, dtype=p.log_probs.dtype)
@@ -274,14 +321,19 @@ def verify_proposals(
 
     tokens = torch.where(torch.arange(k, device=device) < num_accepted.unsqueeze(-1), proposals, -1)
     offpolicy = torch.zeros(batch, k, dtype=torch.bool, device=device)
-    log_p_emitted, log_q_emitted = log_p_x.clone(), log_q_x.clone()
+    log_p_emitted, log_t_emitted = log_p_x.clone(), log_t_x.clone()
+    tv = lam * (1.0 - log_mass.exp())
     rows = has_reject.nonzero().squeeze(-1)
     if rows.numel():
         pos = first_reject[rows]
         q_at = q.at(rows, pos)
-        candidates = q_at.listed()  # (R, 1, K): only tokens with q > 0 can have q > p
-        p_c = p.at(rows, pos).lookup(candidates).squeeze(1)
-        candidates, q_c = candidates.squeeze(1), q_at.log_probs.squeeze(1)
+        candidates = q_at.listed()  # (R, 1, K): only tokens with q̃ > 0 can have q̃ > p
+        p_at = p.at(rows, pos)
+        p_c = p_at.lookup(candidates).squeeze(1)
+        candidates = candidates.squeeze(1)
+        q_c = q_at.log_probs.squeeze(1) - log_mass[rows, pos].unsqueeze(-1)  # log q̃ on S
+        if p_at.ids is not None and ((p_c == NEG_INF) & (q_c > NEG_INF)).any():
+            raise ValueError("verify_proposals: the draft list does not give p on the guidance's S")
         residual = (q_c.exp() - p_c.exp()).clamp(min=0.0)
         empty = residual.sum(-1, keepdim=True) <= 0  # only reachable through rounding: use q
         residual = torch.where(empty, q_c.exp(), residual)
@@ -290,7 +342,7 @@ def verify_proposals(
         pick = below.sum(-1, keepdim=True).clamp(max=residual.shape[-1] - 1)
         tokens[rows, pos] = candidates.gather(-1, pick).squeeze(-1)
         log_p_emitted[rows, pos] = p_c.gather(-1, pick).squeeze(-1)
-        log_q_emitted[rows, pos] = q_c.gather(-1, pick).squeeze(-1)
+        log_t_emitted[rows, pos] = q_c.gather(-1, pick).squeeze(-1)
         offpolicy[rows, pos] = True
     valid = tokens >= 0
     return VerifyResult(
@@ -299,7 +351,9 @@ def verify_proposals(
         num_accepted=num_accepted,
         offpolicy=offpolicy,
         draft_log_probs=torch.where(valid, log_p_emitted, 0.0),
-        guidance_log_probs=torch.where(valid, log_q_emitted, 0.0),
+        guidance_log_probs=torch.where(valid, log_t_emitted + log_mass, 0.0),
+        target_log_probs=torch.where(valid, log_t_emitted, 0.0),
+        target_tv=torch.where(valid, tv, 0.0),
     )
 
 
@@ -309,14 +363,21 @@ def verify_listed(
     guidance: ListedRows,
     lam: float,
     uniforms: torch.Tensor,
+    probe: DraftProbe | None = None,
 ) -> VerifyResult:
-    """`verify_proposals` on the engines' flat rows: the same decisions and tokens for the same
-    `uniforms` (B, k+1), computed in numpy without padding (the rollout's per-round path), with
-    (B, k) results for up to k proposals per sequence.
+    """Accept / reject the engines' flat rows so each emitted token follows the round's target
+    t = (1-λ)·p + λ·q̃ exactly, q̃ = q renormalised over the guidance's listed set S:
+    accept x w.p. min(1, t(x)/p(x)), else draw y ∝ max(0, q̃(y) - p(y)) over S.
 
-    p(x) and q(x) of each proposal are column 0 of its rows (N, K+1); only a rejected position's
-    rows are searched, for the residual max(0, q - p) over the guidance's listed tokens.
-    num_proposed (B,); returns a `VerifyResult` with (B, k) tensors, k = uniforms.shape[1] - 1.
+    p(x) and q(x) of each proposal are column 0 of its rows (N, K+1); S is the guidance row's
+    top-K columns (never column 0: S must not depend on the proposal), Q_S their mass, and
+    q̃(y) = q(y)/Q_S on S, 0 elsewhere, so t = q_λ wherever S holds all of q's mass (K = V, or
+    top-k/top-p cut inside the list) and TV(t, q_λ) = λ·(1 - Q_S) otherwise (`target_tv`).
+    At a rejected position p is needed on all of S: read from the draft's row where it lists
+    them (or its whole support), else from `probe` (the draft engine's lookup); without a probe
+    an unknown p raises. Every per-row operation is O(K) memory.
+    num_proposed (B,), uniforms (B, k+1) (column i tests proposal i, the last draws the
+    residual); returns a `VerifyResult` with (B, k) tensors, k = uniforms.shape[1] - 1.
     Paper: https://arxiv.org/abs/2211.17192 (speculative sampling, exact for any target).
     """
     _check_lam(lam)
@@ -329,10 +390,12 @@ def verify_listed(
     seq = np.repeat(np.arange(batch), num)
     starts = np.cumsum(num) - num
     pos = np.arange(len(seq)) - starts[seq]
+    log_mass = np.log(guidance.topk_mass())  # log Q_S per row
     log_p_x = draft.log_probs[:, 0].astype(np.float64)
     log_q_x = guidance.log_probs[:, 0].astype(np.float64)
+    log_t_x = np.where(guidance.in_topk(proposals), log_q_x - log_mass, NEG_INF)  # log q̃(x)
     with np.errstate(over="ignore", invalid="ignore"):  # p(x) > 0: x was sampled from p
-        ratio = (1.0 - lam) + lam * np.exp(log_q_x - log_p_x)
+        ratio = (1.0 - lam) + lam * np.exp(log_t_x - log_p_x)
     rejected = u[seq, pos] >= np.minimum(ratio, 1.0)
     first = np.full(batch, k)
     np.minimum.at(first, seq[rejected], pos[rejected])
@@ -340,33 +403,60 @@ def verify_listed(
     num_accepted = np.where(has_reject, first, num)
     kept = np.flatnonzero(pos < num_accepted[seq])
     at_seq, at_pos = seq[kept], pos[kept]
+    out = {name: np.zeros((batch, k)) for name in ("log_p", "log_q", "log_t", "tv")}
     tokens = np.full((batch, k), -1, dtype=np.int64)
-    log_p, log_q = np.zeros((batch, k)), np.zeros((batch, k))
     tokens[at_seq, at_pos] = proposals[kept]
-    log_p[at_seq, at_pos], log_q[at_seq, at_pos] = log_p_x[kept], log_q_x[kept]
+    for name, values in (("log_p", log_p_x), ("log_q", log_q_x), ("log_t", log_t_x),
+                         ("tv", lam * (1.0 - np.exp(log_mass)))):  # fmt: skip
+        out[name][at_seq, at_pos] = values[kept]
     offpolicy = np.zeros((batch, k), dtype=bool)
     rows = np.flatnonzero(has_reject)
     if len(rows):
         at = starts[rows] + first[rows]  # the rejected positions' row indices
-        candidates = guidance.ids[at]  # (R, K+1): only tokens with q > 0 can have q > p
-        q_c = guidance.deduped()[at]
-        p_c = draft.take(at).lookup(candidates)
-        residual = np.clip(np.exp(q_c) - np.exp(p_c), 0.0, None)
-        empty = residual.sum(-1, keepdims=True) <= 0  # only reachable through rounding: use q
-        residual = np.where(empty, np.exp(q_c), residual)
+        candidates = guidance.ids[at, 1:]  # (R, K): S; only tokens with q̃ > 0 can have q̃ > p
+        log_t_c = guidance.log_probs[at, 1:].astype(np.float64) - log_mass[at, None]
+        log_p_c = _draft_at(draft.take(at), candidates, probe, rows, first[rows])
+        residual = np.clip(np.exp(log_t_c) - np.exp(log_p_c), 0.0, None)
+        empty = residual.sum(-1, keepdims=True) <= 0  # only reachable through rounding: use q̃
+        residual = np.where(empty, np.exp(log_t_c), residual)
         pick = _inverse_cdf(residual, u[rows, -1])
         r, cols = np.arange(len(rows)), first[rows]
         tokens[rows, cols] = candidates[r, pick]
-        log_p[rows, cols], log_q[rows, cols] = p_c[r, pick], q_c[r, pick]
+        out["log_p"][rows, cols], out["log_t"][rows, cols] = log_p_c[r, pick], log_t_c[r, pick]
+        out["log_q"][rows, cols] = log_t_c[r, pick] + log_mass[at]
+        out["tv"][rows, cols] = lam * (1.0 - np.exp(log_mass[at]))
         offpolicy[rows, cols] = True
     return VerifyResult(
         tokens=torch.from_numpy(tokens),
         num_emitted=torch.from_numpy(num_accepted + has_reject),
         num_accepted=torch.from_numpy(num_accepted),
         offpolicy=torch.from_numpy(offpolicy),
-        draft_log_probs=torch.from_numpy(log_p),
-        guidance_log_probs=torch.from_numpy(log_q),
+        draft_log_probs=torch.from_numpy(out["log_p"]),
+        guidance_log_probs=torch.from_numpy(out["log_q"]),
+        target_log_probs=torch.from_numpy(out["log_t"]),
+        target_tv=torch.from_numpy(out["tv"]),
     )
+
+
+def _draft_at(
+    draft: ListedRows,
+    tokens: np.ndarray,
+    probe: DraftProbe | None,
+    rows: np.ndarray,
+    positions: np.ndarray,
+) -> np.ndarray:
+    """log p of `tokens` (R, M) at the draft rows `draft` (R, K+1): listed values, and for rows
+    that do not give them all, the whole row from `probe(rows, positions, tokens)`."""
+    found = draft.lookup(tokens)
+    unknown = ~draft.knows(tokens).all(-1)
+    if unknown.any():
+        if probe is None:
+            raise RuntimeError(
+                f"{int(unknown.sum())} residual row(s) need the draft's p at guidance tokens its "
+                "top-K does not list, and no draft probe was given"
+            )
+        found[unknown] = probe(rows[unknown], positions[unknown], tokens[unknown])
+    return found
 
 
 @dataclass
@@ -383,17 +473,22 @@ class BonusRows:
 
 
 def draw_bonus(
-    draft: ListedRows, guidance: ListedRows, lam: float, uniforms: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The token past a fully accepted round, from q_λ = (1-λ)p + λq by its components: if u < λ
-    a draw y ~ q among the guidance's listed tokens (inverse CDF in listed order with u/λ, which
-    is uniform given u < λ), marked off-policy; otherwise the draft's lookahead x ~ p (column 0).
+    draft: ListedRows,
+    guidance: ListedRows,
+    lam: float,
+    uniforms: np.ndarray,
+    probe: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:
+    """The token past a fully accepted round, from the target t = (1-λ)p + λq̃ by its components:
+    if u < λ a draw y ~ q̃ (q renormalised over the guidance row's top-K set S; inverse CDF in
+    listed order with u/λ, which is uniform given u < λ), marked off-policy; otherwise the
+    draft's lookahead x ~ p (column 0).
 
-    Rows (R, K+1) as in `ListedRows`, uniforms (R,); returns (R,) arrays: tokens, off-policy,
-    log p and log q of each token. A token a row does not list has log p = -inf (treated as 0:
-    the draft's unlisted mass is its top-K tail) and log q = -inf where the guidance row lists
-    its whole support (an exact 0, e.g. cut by top-k) or NaN where it does not (not reported:
-    a lookahead token outside the guidance's top-K, only possible when K < V).
+    Rows (R, K+1) as in `ListedRows`, uniforms (R,); returns (R,) arrays by name: tokens,
+    offpolicy, log_p, log_q, log_t (log q̃), tv (λ·(1 - Q_S)). A y the draft's row does not give
+    gets its log p from `probe(row indices (R',), tokens (R', 1))`; without a probe it raises.
+    log q of a lookahead x outside S is -inf where the guidance row lists its whole support and
+    NaN where it does not (not reported; its q̃ is exactly 0 either way).
     Paper: https://arxiv.org/abs/2211.17192 (the extra token after k accepted proposals).
     """
     _check_lam(lam)
@@ -401,9 +496,22 @@ def draw_bonus(
     from_q = u < lam
     with np.errstate(divide="ignore", invalid="ignore"):  # λ = 0: no row draws from q
         v = np.where(from_q, u / lam, 0.0)
-    y = guidance.ids[np.arange(len(u)), _inverse_cdf(np.exp(guidance.deduped()), v)]
+    listed_q = guidance.log_probs[:, 1:].astype(np.float64)
+    y = guidance.ids[np.arange(len(u)), 1 + _inverse_cdf(np.exp(listed_q), v)]
     tokens = np.where(from_q, y, draft.ids[:, 0])
-    return tokens, from_q, draft.lookup_one(tokens), guidance.lookup_one(tokens, unknown=np.nan)
+    log_p = draft.lookup_one(tokens)
+    unknown = ~draft.knows(tokens[:, None])[:, 0]
+    if unknown.any():
+        if probe is None:
+            raise RuntimeError(
+                f"{int(unknown.sum())} bonus token(s) need the draft's p and no probe was given"
+            )
+        log_p[unknown] = probe(np.flatnonzero(unknown), tokens[unknown, None])[:, 0]
+    log_mass = np.log(guidance.topk_mass())
+    in_s = guidance.in_topk(tokens)
+    log_q = guidance.lookup_one(tokens, unknown=np.nan)
+    return {"tokens": tokens, "offpolicy": from_q, "log_p": log_p, "log_q": log_q,
+            "log_t": np.where(in_s, log_q - log_mass, NEG_INF), "tv": lam * (1.0 - np.exp(log_mass))}  # fmt: skip
 
 
 def _inverse_cdf(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
@@ -432,6 +540,11 @@ class GuidedSequence:
     guidance_topk: tuple[np.ndarray, np.ndarray] | None = None
     """(len, K) token ids and processed log-probs of the guidance's top-K at each position, when
     the rollout keeps them (`offpolicy_guidance.keep_topk`)."""
+    target_log_probs: list[float] = field(default_factory=list)
+    """log q̃ of each token, the guidance part of the target it was sampled from (`verify_listed`;
+    empty where the response was not sampled speculatively: μ then uses `guidance_log_probs`)."""
+    target_tv: list[float] = field(default_factory=list)
+    """TV(target, q_λ) at each token's position (empty as `target_log_probs`)."""
 
 
 ProposeFn = Callable[
@@ -523,34 +636,53 @@ class SpeculativeBatch:
         draft_tables: torch.Tensor | TopK | ListedRows,
         guidance_tables: torch.Tensor | TopK | ListedRows,
         bonus: BonusRows | None = None,
+        probe: Callable | None = None,
     ) -> None:
         """Verify the round that `next_round()` opened (tensors as in `verify_proposals`, one row
         per active sequence, or both tables as `ListedRows`) and append what it emits, with a
-        bonus token after each fully accepted proposal run that `bonus` has a lookahead for."""
+        bonus token after each fully accepted proposal run that `bonus` has a lookahead for.
+        `probe(ids, prefixes, tokens (R, M)) -> (R, M)`: the draft's log p of `tokens` after
+        each prefix (engine ids as in `next_round`), for those its listed rows do not give."""
         uniforms = self._uniforms(proposals.shape[0])
+        at = self._probe_at(proposals, probe)
         if isinstance(draft_tables, ListedRows) and isinstance(guidance_tables, ListedRows):
-            result = verify_listed(num_proposed, draft_tables, guidance_tables, self.lam, uniforms)
+            result = verify_listed(
+                num_proposed, draft_tables, guidance_tables, self.lam, uniforms, at
+            )
         else:
             result = verify_proposals(proposals, num_proposed, draft_tables,
                                       guidance_tables, self.lam, uniforms=uniforms)  # fmt: skip
         self.stats.rounds += 1
         self.stats.proposed += int(num_proposed.sum())
         self.stats.accepted += int(result.num_accepted.sum())
-        extra = self._bonus(result, num_proposed, bonus, uniforms[:, -1].numpy())
-        columns = zip(result.tokens.tolist(), result.offpolicy.tolist(),
-                      result.draft_log_probs.tolist(), result.guidance_log_probs.tolist(),
-                      result.num_emitted.tolist(), strict=True)  # fmt: skip
-        for i, (r, budget, (tokens, off, lp, lq, emitted)) in enumerate(
+        extra = self._bonus(result, num_proposed, bonus, uniforms[:, -1].numpy(), at)
+        fields = (result.tokens, result.offpolicy, result.draft_log_probs, result.guidance_log_probs,
+                  result.target_log_probs, result.target_tv)  # fmt: skip
+        columns = zip(*(f.tolist() for f in fields), result.num_emitted.tolist(), strict=True)
+        for i, (r, budget, (*values, emitted)) in enumerate(
             zip(self._rows, self._budget, columns, strict=True)
         ):
             if emitted == 0:
                 raise RuntimeError(
                     f"sequence {self.ids[r]}: the draft proposed no token (budget {budget})"
                 )
-            self._append(r, tokens[:emitted], off[:emitted], lp[:emitted], lq[:emitted])
+            self._append(r, *(v[:emitted] for v in values))
             if i in extra and not self.seqs[r].finished:
                 self._append(r, *([value] for value in extra[i]))
                 self.stats.bonus += 1
+
+    def _probe_at(self, proposals: torch.Tensor, probe: Callable | None) -> DraftProbe | None:
+        """`probe` as a `DraftProbe` of this round: round rows and proposal counts to prefixes."""
+        if probe is None:
+            return None
+
+        def at(rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+            seqs = [self._rows[i] for i in rows]
+            prefixes = [self.prompts[r] + self.seqs[r].tokens + proposals[i, :n].tolist()
+                        for r, i, n in zip(seqs, rows, positions, strict=True)]  # fmt: skip
+            return probe([self.ids[r] for r in seqs], prefixes, tokens)
+
+        return at
 
     def _uniforms(self, rows: int) -> torch.Tensor:
         """(rows, k + 1) uniforms of the open round: from each sequence's own generator when
@@ -562,11 +694,16 @@ class SpeculativeBatch:
         return torch.rand(rows, self.k + 1, generator=self.generator, dtype=torch.float64)
 
     def _bonus(
-        self, result: VerifyResult, num: torch.Tensor, bonus: BonusRows | None, u: np.ndarray
+        self,
+        result: VerifyResult,
+        num: torch.Tensor,
+        bonus: BonusRows | None,
+        u: np.ndarray,
+        probe: DraftProbe | None,
     ) -> dict[int, tuple]:
-        """Bonus tokens by round row: (token, off-policy, log p, log q) where every proposal was
-        accepted and the draft drafted a lookahead. The uniform is the residual's column, which
-        a round without rejection leaves unused."""
+        """Bonus tokens by round row: (token, off-policy, log p, log q, log q̃, tv) where every
+        proposal was accepted and the draft drafted a lookahead. The uniform is the residual's
+        column, which a round without rejection leaves unused."""
         if bonus is None or not bonus.has.any():
             return {}
         full = bonus.has & (result.num_accepted == num).numpy()
@@ -574,22 +711,30 @@ class SpeculativeBatch:
         if not len(rows):
             return {}
         at = (np.cumsum(bonus.has) - 1)[rows]  # the lookahead rows of those sequences
-        drawn = draw_bonus(bonus.draft.take(at), bonus.guidance.take(rows), self.lam, u[rows])
+        n = num.numpy()
+        drawn = draw_bonus(bonus.draft.take(at), bonus.guidance.take(rows), self.lam, u[rows],
+                           None if probe is None else lambda i, t: probe(rows[i], n[rows[i]], t))  # fmt: skip
+        names = ("tokens", "offpolicy", "log_p", "log_q", "log_t", "tv")
         return {
-            int(r): values for r, *values in zip(rows, *(d.tolist() for d in drawn), strict=True)
+            int(r): values
+            for r, *values in zip(rows, *(drawn[k].tolist() for k in names), strict=True)
         }
 
-    def _append(self, r: int, tokens: list, off: list, lp: list, lq: list) -> None:
-        """Append emitted tokens to sequence r, ending it at EOS or `max_new_tokens`."""
+    def _append(self, r: int, tokens: list, *values: list) -> None:
+        """Append emitted tokens and their (off-policy, log p, log q, log q̃, tv) to sequence r,
+        ending it at EOS or `max_new_tokens`."""
         seq = self.seqs[r]
         if self.eos_token_id in tokens:
             end = tokens.index(self.eos_token_id) + 1
-            tokens, off, lp, lq = tokens[:end], off[:end], lp[:end], lq[:end]
+            tokens, values = tokens[:end], tuple(v[:end] for v in values)
             seq.finished = True
         seq.tokens += tokens
+        off, lp, lq, lt, tv = values
         seq.offpolicy += off
         seq.draft_log_probs += lp
         seq.guidance_log_probs += lq
+        seq.target_log_probs += lt
+        seq.target_tv += tv
         self.stats.emitted += len(tokens)
         if len(seq.tokens) >= self.max_new_tokens:
             seq.finished = True
@@ -654,6 +799,10 @@ class DraftStepper(Protocol):
     def lookahead(self, key: int) -> tuple[np.ndarray, ListedRows] | None:
         """Round `key`'s lookahead once drafted, as `BonusRows`' (has, draft); None if none."""
 
+    def probe(self, ids: list[int], prefixes: list[list[int]], tokens: np.ndarray) -> np.ndarray:
+        """The draft's processed log p of `tokens` (R, M) as the next token after each prefix of
+        sequences `ids` (R): (R, M), for tokens its listed rows do not give."""
+
 
 class AsyncScorer(Protocol):
     """The guidance engine working on its own: answers come back in submission order."""
@@ -715,7 +864,7 @@ def overlapped_generate(
             tables, following = _split_answer(guidance.collect())
             extra = draft.lookahead(key)
             bonus = None if extra is None or following is None else BonusRows(*extra, following)
-            batches[key].apply(proposals, num, draft_tables, tables, bonus)
+            batches[key].apply(proposals, num, draft_tables, tables, bonus, draft.probe)
             if not batches[key].done:
                 start(key)
 

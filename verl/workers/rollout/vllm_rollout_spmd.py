@@ -1,9 +1,10 @@
 """vLLM rollout: the draft engine, and with guidance a second engine driving speculative mixing.
 
-The draft engine samples (and reports) processed log-probs (`logprobs_mode=processed_logprobs`);
-the guidance engine scores the proposals with `prompt_logprobs`, which vLLM returns raw, so q is
-processed here with the guidance's sampling settings (`detokenize=False` throughout: we work on
-token ids). In speculative mode every sequence has a rewindable session on each engine
+Both engines report processed log-probs (`logprobs_mode=processed_logprobs`); the guidance scores
+the proposals with `prompt_logprobs`, which the session patch processes inside the engine with
+the guidance's sampling settings exactly as vLLM's sampler does (`detokenize=False` throughout:
+we work on token ids). Where a rejected position needs the draft's p at guidance tokens its own
+top-K does not list, the draft engine looks them up (`SessionEngine.lookup`). In speculative mode every sequence has a rewindable session on each engine
 (`vllm_sessions.py`): a round computes only the new tokens, not the whole prefix. The guidance
 engine runs in its own process (`guidance_server.py`) and scores one group of sequences while
 the draft steps the others' proposals (`speculative.overlapped_generate`).
@@ -67,11 +68,10 @@ def guidance_engine_args(config: RolloutConfig, num_logprobs: int, common: dict)
     `enforce_eager` (the rollout's when unset), plus the arguments both engines share."""
     guidance = config.offpolicy_guidance
     eager = config.enforce_eager if guidance.enforce_eager is None else guidance.enforce_eager
-    speculative = guidance.mode == "speculative"
     return dict(model=guidance.model_path, dtype=guidance.dtype, tensor_parallel_size=guidance.tensor_parallel_size,
                 enforce_eager=eager, max_logprobs=num_logprobs,
-                # scoring reads raw prompt log-probs (processed here); mix-mode samples report the processed ones
-                logprobs_mode="raw_logprobs" if speculative else "processed_logprobs",
+                # scoring rows are processed in the engine (the session patch), samples by vLLM's sampler
+                logprobs_mode="processed_logprobs",
                 **engine_memory_args(guidance.gpu_memory_utilization), **common)  # fmt: skip
 
 
@@ -231,7 +231,9 @@ class VLLMRollout:
         chunks = [(f"g{self._call}-{i}", prefix + proposals[row, : num[row]].tolist(), 1, len(prefix) - 1)
                   for row, (i, prefix) in enumerate(zip(ids, prefixes, strict=True))]  # fmt: skip
         rows = [(len(prefix) - 1, int(n)) for prefix, n in zip(prefixes, num, strict=True)]
-        self.engines.guidance.submit("score", chunks, rows, self.num_logprobs)
+        self.engines.guidance.submit(
+            "score", chunks, rows, self.num_logprobs, self._guidance_processing()
+        )
         self._counters.submitted += sum(len(tokens) for _, tokens, *_ in chunks)
         self._in_flight += 1
 
@@ -243,20 +245,8 @@ class VLLMRollout:
         (ids, values), (next_ids, next_values), computed = self.engines.guidance.result()
         self._counters.computed += computed
         tables = ListedRows(ids, values)
-        self._counters.tail_mass.append(tables.tail_mass())
-        return self._processed(tables), self._processed(ListedRows(next_ids, next_values))
-
-    def _processed(self, rows: ListedRows) -> ListedRows:
-        """The guidance's raw rows processed with its sampling settings."""
-        processing = self._guidance_processing()
-        if (
-            processing["temperature"] == 1.0
-            and processing["top_k"] in (-1, 0, None)
-            and processing["top_p"] >= 1.0
-        ):
-            return rows  # raw = processed: exact for every listed token
-        # exact when K covers the vocabulary or the cut; else approximate (README_guidance.md)
-        return rows.processed(**processing)
+        self._counters.tail_mass.append(tables.tail_mass())  # after processing: 1 - Q_S
+        return tables, ListedRows(next_ids, next_values)
 
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -299,7 +289,7 @@ class VLLMRollout:
         out.non_tensor_batch = {
             k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()
         }
-        out.meta_info.update(self._counters.meta(stats, out, lam))
+        out.meta_info.update(self._counters.meta(stats, out, lam, seqs))
         return out
 
     def _speculative(self, prompts: list[list[int]], lam: float, seeds: np.ndarray):
@@ -332,6 +322,7 @@ class VLLMRollout:
                 raise
             self.draft_sessions.close()
             self.engines.guidance.call("close")
+            self._counters.lookups += draft.lookups
             for batch in batches:
                 seqs.extend(batch.seqs)
                 stats.add(batch.stats)
@@ -389,13 +380,12 @@ class VLLMRollout:
             chunks = [(f"t{self._call}-{i}", prompts[i] + seqs[i].tokens, 1, None) for i in part]
             rows = [(len(prompts[i]) - 1, len(seqs[i].tokens)) for i in part]
             (ids, values), _, computed = self.engines.guidance.call(
-                "score", chunks, rows, self.num_logprobs
+                "score", chunks, rows, self.num_logprobs, self._guidance_processing()
             )
             self.engines.guidance.call("close")
             self._counters.computed += computed
-            tables = ListedRows(ids, values)
-            self._counters.tail_mass.append(tables.tail_mass())
-            processed = self._processed(tables)
+            processed = ListedRows(ids, values)  # processed in the engine
+            self._counters.tail_mass.append(processed.tail_mass())
             ends = np.cumsum([count for _, count in rows])[:-1]
             for i, values_i in zip(
                 part, np.split(processed.log_probs[:, 0].astype(np.float64), ends), strict=True
@@ -446,6 +436,7 @@ class VLLMRollout:
         resp_mask = torch.zeros(b, r_len, dtype=torch.long)
         draft_lp = torch.zeros(b, r_len)
         guide_lp = torch.zeros(b, r_len)  # -inf: q = 0 after processing; NaN: not reported
+        target_lp = torch.zeros(b, r_len)  # log q̃ of the sampled target (speculative rounds)
         off = torch.zeros(b, r_len, dtype=torch.bool)
         for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
             prompt_t[i, p_len - len(p) :] = torch.tensor(p)
@@ -455,6 +446,9 @@ class VLLMRollout:
             resp_mask[i, :n] = 1
             draft_lp[i, :n] = torch.tensor(s.draft_log_probs).clamp(min=LOG_PROB_FLOOR)
             guide_lp[i, :n] = torch.tensor(s.guidance_log_probs)
+            target_lp[i, :n] = torch.tensor(
+                s.target_log_probs if s.target_log_probs else s.guidance_log_probs
+            )
             off[i, :n] = torch.tensor(s.offpolicy)
         attention = torch.cat([prompt_mask, resp_mask], dim=1)
         tensors = {
@@ -469,7 +463,8 @@ class VLLMRollout:
         if guidance.enable and guidance.keep_topk:
             tensors.update(_topk_tensors(seqs, r_len, self.num_logprobs))
         if guidance.enable:
-            tensors.update(guidance_tensors(draft_lp, guide_lp, off, resp_mask, lam, guidance.mode, guidance.behavior))  # fmt: skip
+            tensors.update(guidance_tensors(draft_lp, guide_lp, off, resp_mask, lam, guidance.mode,
+                                            guidance.behavior, target_lp))  # fmt: skip
         return DataProto.from_dict(tensors)
 
 
@@ -497,6 +492,7 @@ class _DraftRounds:
     def __init__(self, sessions: SessionEngine, prefix: str, new_params: Callable) -> None:
         self.sessions, self.prefix, self.new_params = sessions, prefix, new_params
         self.rounds: dict[int, _Round] = {}
+        self.lookups = 0  # draft rows looked up (`probe`)
 
     def start(
         self,
@@ -530,6 +526,12 @@ class _DraftRounds:
 
     def drafting(self, key: int) -> bool:
         return not all(o.finished for o in self.rounds[key].outs)
+
+    def probe(self, ids: list[int], prefixes: list[list[int]], tokens: np.ndarray) -> np.ndarray:
+        """The draft's processed log p of `tokens` (R, M) after each prefix, from its engine."""
+        sids = [f"{self.prefix}{i}" for i in ids]
+        self.lookups += len(sids)
+        return self.sessions.lookup(list(zip(sids, prefixes, tokens, strict=True)))
 
     def lookahead(self, key: int) -> tuple[np.ndarray, ListedRows] | None:
         r = self.rounds.pop(key)
@@ -627,11 +629,16 @@ class _Counters:
     computed: int = 0
     submitted: int = 0
     tail_mass: list[np.ndarray] = field(default_factory=list)
+    lookups: int = 0  # draft rows looked up at guidance tokens its top-K did not list
 
-    def meta(self, stats: RoundStats | None, out: DataProto, lam: float) -> dict:
+    def meta(self, stats: RoundStats | None, out: DataProto, lam: float, seqs: list) -> dict:
         emitted = int(out.batch["response_mask"].sum())
         meta = {"lam": lam, "emitted_tokens": emitted, "guidance_tokens_computed": self.computed,
-                "guidance_tokens_submitted": self.submitted}  # fmt: skip
+                "guidance_tokens_submitted": self.submitted, "draft_lookups": self.lookups}  # fmt: skip
+        # TV(target, q_λ) per emitted token: 0 where the engines sampled q_λ itself
+        tv = [t for s in seqs for t in (s.target_tv or [0.0] * len(s.tokens))]
+        if tv:
+            meta["target_tv"] = float(np.mean(tv))
         if stats is not None:
             meta.update(accept_rate=stats.accept_rate, rounds=stats.rounds, proposed_tokens=stats.proposed,
                         accepted_tokens=stats.accepted, bonus_tokens=stats.bonus,

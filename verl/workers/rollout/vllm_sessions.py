@@ -104,11 +104,40 @@ class SessionEngine:
         session gets `new_params(session id, max_tokens)` (vLLM's SamplingParams); an open one
         keeps its first chunk's parameters with the new `max_tokens`.
         """
-        self.add(chunks, new_params)
-        results = {}
-        while len(results) < len(chunks):
-            results.update(self.step())
-        return results
+        return self._wait(self.add(chunks, new_params), [sid for sid, *_ in chunks])
+
+    def _wait(self, outs: list[ChunkOutput], sids: list[str]) -> dict[str, ChunkOutput]:
+        """Step the engine until the chunks `outs` of sessions `sids` stopped (other sessions'
+        chunks advance in the same steps and fill in place)."""
+        while not all(o.finished for o in outs):
+            self.step()
+        return dict(zip(sids, outs, strict=True))
+
+    def lookup(self, requests: list[tuple[str, list[int], np.ndarray]]) -> np.ndarray:
+        """Per open session (session id, tokens, ids (M,)): the log-probs of `ids` as the session's
+        next token after `tokens`, under its own sampling settings (temperature, top-k, top-p:
+        what vLLM's sampler reports as processed log-probs), stacked (R, M) float64.
+
+        The session is rewound to `tokens` plus one placeholder token and recomputes its last
+        token, whose row is then a prompt row read at `ids` (`vllm_session_rewind.GATHER_KEY`):
+        O(M) out per row, whatever the vocabulary. The chunk samples one token after the
+        placeholder, which is ignored; the next chunk rewinds past both.
+        """
+        if not requests:
+            return np.zeros((0, 0))
+        outs = []
+        for sid, tokens, ids in requests:
+            params = self._rewind_params(sid, 1, len(tokens) - 1)
+            params.prompt_logprobs = len(ids)
+            params.extra_args = {**params.extra_args, vllm_session_rewind.PROCESS_KEY: True,
+                                 vllm_session_rewind.GATHER_KEY: [int(i) for i in ids]}  # fmt: skip
+            outs += self._add_one(sid, [*tokens, int(ids[0])], params)
+        self._wait(outs, [sid for sid, *_ in requests])
+        rows = [
+            o.prompt_logprobs.logprobs[len(t) - 1, 1:].numpy()
+            for o, (_, t, _) in zip(outs, requests, strict=True)
+        ]
+        return np.stack(rows).astype(np.float64)
 
     def add(
         self,
@@ -130,11 +159,18 @@ class SessionEngine:
                 )  # fmt: skip
                 self._open[sid] = request.sampling_params
                 self._client.add_request(request)
+                self._running[sid] = ChunkOutput()
             else:  # a rewind: the first chunk's settings with the new tokens and limits
-                params = self._rewind_params(sid, max_tokens, recompute_from)
-                vllm_session_rewind.resume(self._scheduler, sid, tokens, params)
-            self._running[sid] = ChunkOutput()
+                self._add_one(sid, tokens, self._rewind_params(sid, max_tokens, recompute_from))
         return [self._running[sid] for sid, *_ in chunks]
+
+    def _add_one(self, sid: str, tokens: list[int], params) -> list[ChunkOutput]:
+        """Resume open session `sid` with `tokens` under `params` (a rewind); returns [its output]."""
+        if sid in self._running:
+            raise RuntimeError(f"session {sid} already has a chunk running")
+        vllm_session_rewind.resume(self._scheduler, sid, tokens, params)
+        self._running[sid] = ChunkOutput()
+        return [self._running[sid]]
 
     def _rewind_params(self, sid: str, max_tokens: int, recompute_from: int | None):
         """The session's first sampling parameters with `max_tokens`, marked as a rewind. Without

@@ -114,7 +114,7 @@ class PeakMemory:
 
 
 SUMMED = ("emitted_tokens", "guidance_tokens_computed", "guidance_tokens_submitted", "rounds",
-          "proposed_tokens", "accepted_tokens", "bonus_tokens", "topk_rows")  # fmt: skip
+          "proposed_tokens", "accepted_tokens", "bonus_tokens", "topk_rows", "draft_lookups")  # fmt: skip
 """Counts in a replica's meta_info that add up over replicas (rounds: rounds run, all replicas)."""
 
 
@@ -131,6 +131,9 @@ def merge_rollout_meta(metas: list[dict]) -> dict:
         merged["guidance_tokens_per_emitted"] = merged["guidance_tokens_computed"] / max(
             merged["emitted_tokens"], 1
         )
+    if any("target_tv" in m for m in metas):  # per emitted token
+        weighted = sum(m["target_tv"] * m["emitted_tokens"] for m in metas if "target_tv" in m)
+        merged["target_tv"] = weighted / max(merged["emitted_tokens"], 1)
     if "topk_rows" in merged:
         weighted = sum(m["topk_tail_mass"] * m["topk_rows"] for m in metas if "topk_rows" in m)
         merged["topk_tail_mass"] = weighted / max(merged["topk_rows"], 1)
