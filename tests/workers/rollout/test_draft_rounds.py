@@ -53,3 +53,26 @@ def test_lookahead_rows_are_the_tokens_past_each_budget():
     assert rows.ids[:, 0].tolist() == [3, 7] and rows.log_probs[:, 1].tolist() == [-3.5, -7.5]
     rounds.rounds[1] = _Round([2], [chunk([1, 2])])
     assert rounds.lookahead(1) is None and not rounds.rounds
+
+
+class IdleSessions:
+    """Sessions with no chunk running: stepping them is an error."""
+
+    busy = False
+
+    def step(self):
+        raise AssertionError("stepped an idle engine")
+
+
+def test_a_round_that_finished_during_a_probe_is_still_returned():
+    """A draft lookup (`probe`) steps the engine, and other rounds' chunks may finish in those
+    steps: with no chunk left running, the round is still reported busy and returned by the
+    next `step`, without stepping the engine (else the rollout would stop with it unverified)."""
+    draft = _DraftRounds(IdleSessions(), "d-", lambda i, m: None)
+    finished = chunk([1, 2])
+    finished.finished = True
+    draft.rounds[7] = _Round([2], [finished])
+    assert draft.busy
+    (key, proposals, num, _), *rest = draft.step()
+    assert key == 7 and proposals.tolist() == [[1, 2]] and num.tolist() == [2] and not rest
+    assert not draft.busy and draft.step() == []

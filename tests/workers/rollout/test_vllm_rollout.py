@@ -554,3 +554,39 @@ def test_tokens_do_not_depend_on_how_the_prompts_are_split(guided, models, mode)
             engine.shutdown()
     if mode != "draft_only":
         assert whole.batch["offpolicy_mask"].any()  # the guidance did write tokens
+
+
+@pytest.mark.parametrize("k", [5, 30])
+def test_partial_lists_are_exact_for_the_truncated_target_and_every_sequence_finishes(models, k):
+    """K < V: the guidance lists its top-K (S), the draft its own top-K. 12 prompts x 4 samples,
+    8 tokens each (EOS ignored), λ = 0.5, three overlapped groups: every sequence reaches its 8
+    tokens, the draft engine looked up p on S at rejected positions its top-K missed, and the
+    behavior of every token is log t = log((1-λ)p + λq̃), q̃ = q·1_S/q(S), from HF forwards."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models[0])
+    cfg = rollout_config(models[1], vocab=k, pipeline_groups=3)
+    rollout = VLLMRollout(models[0], cfg, tok.eos_token_id, tok.pad_token_id)
+    texts = [f"{a}+{b}=" for a, b in zip(range(10, 22), range(40, 52), strict=True)]
+    try:
+        out = rollout.generate_sequences(prompt_batch(tok, texts, n=4, lam=0.5, ignore_eos=True))
+    finally:
+        rollout.shutdown()
+    b = out.batch
+    assert (b["response_mask"].sum(-1) == 8).all() and out.meta_info["draft_lookups"] > 0
+    hf = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for p in models]
+    tv = []
+    for i in range(len(texts) * 4):
+        ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
+        toks = ids[0, -8:].unsqueeze(-1)
+        with torch.no_grad():
+            p, q = (torch.softmax(m(ids).logits[0, -9:-1].double(), -1) for m in hf)
+        in_s = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, q.topk(k, -1).indices, True)
+        mass = (q * in_s).sum(-1, keepdim=True)
+        target = 0.5 * p + 0.5 * q * in_s / mass
+        tv.append(0.5 * (1 - mass))
+        torch.testing.assert_close(b["behavior_log_probs"][i, :8].double(), target.gather(-1, toks).log().squeeze(-1),
+                                   rtol=0, atol=1e-4)  # fmt: skip
+        torch.testing.assert_close(b["rollout_log_probs"][i, :8].double(), p.gather(-1, toks).log().squeeze(-1),
+                                   rtol=0, atol=1e-4)  # fmt: skip
+    assert out.meta_info["target_tv"] == pytest.approx(torch.cat(tv).mean().item(), abs=1e-4)

@@ -33,7 +33,7 @@ class OffPolicyGuidanceConfig:
     enforce_eager: bool | None = None
     """Guidance engine without torch.compile/CUDA graphs (None: the rollout's `enforce_eager`)."""
     logprobs: int = 20
-    """Top-K log-probs the guidance engine returns per position (vocab size for exact full coverage)."""
+    """Top-K log-probs per position (K): the guidance's listed set S, over which the sampled target renormalises q (μ exact either way; the vocabulary size makes the target q_λ itself)."""
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
     """SamplingParams fields that differ for the guidance (e.g. temperature)."""
     mode: str = "speculative"

@@ -511,15 +511,24 @@ class _DraftRounds:
 
     @property
     def busy(self) -> bool:
-        return self.sessions.busy
+        """A chunk is running, or a round finished proposing and was not returned yet (it may have
+        finished in the engine steps of a `probe`, when no chunk is left to step)."""
+        return self.sessions.busy or any(
+            not r.returned and self._proposed(r) for r in self.rounds.values()
+        )
+
+    @staticmethod
+    def _proposed(r: _Round) -> bool:
+        return all(
+            o.finished or len(o.token_ids) >= b for o, b in zip(r.outs, r.budget, strict=True)
+        )
 
     def step(self) -> list[tuple[int, torch.Tensor, torch.Tensor, ListedRows]]:
-        self.sessions.step()
+        if self.sessions.busy:
+            self.sessions.step()
         done = []
         for key, r in self.rounds.items():
-            if not r.returned and all(
-                o.finished or len(o.token_ids) >= b for o, b in zip(r.outs, r.budget, strict=True)
-            ):
+            if not r.returned and self._proposed(r):
                 r.returned = True
                 done.append((key, *draft_tables(r.outs, r.budget)))
         return done

