@@ -216,10 +216,21 @@ def processed(
 SETTINGS = {"temperature": 0.7, "top_k": 12, "top_p": 0.9}
 
 
+def processed_params(sid: str, max_tokens: int):
+    """Scoring under SETTINGS, prompt rows processed in the engine (`PROCESS_KEY`)."""
+    from verl_patches.vllm_session_rewind import PROCESS_KEY
+
+    return scoring_params(max_tokens=max_tokens, extra_args={PROCESS_KEY: True}, **SETTINGS)
+
+
+def draft_params(sid: str, max_tokens: int):
+    """A draft's sampling under SETTINGS: no prompt log-probs, a top-5 per sampled token."""
+    return scoring_params(max_tokens=max_tokens, prompt_logprobs=None, logprobs=5, **SETTINGS)
+
+
 def test_processed_prompt_rows_equal_the_processed_distribution(engine):
     """PROCESS_KEY: prompt rows under temperature 0.7, top-k 12, top-p 0.9 equal the processed
     raw rows of the same engine (all V tokens listed), for a fresh request and a rewound chunk."""
-    from verl_patches.vllm_session_rewind import PROCESS_KEY
 
     from verl.workers.rollout.vllm_sessions import SessionEngine
 
@@ -227,9 +238,7 @@ def test_processed_prompt_rows_equal_the_processed_distribution(engine):
     raw = fresh_prompt_logprobs(engine, tokens)[0]
     sessions = SessionEngine(engine)
     try:
-        params = lambda sid, m: scoring_params(
-            max_tokens=m, extra_args={PROCESS_KEY: True}, **SETTINGS
-        )  # noqa: E731
+        params = processed_params
         first = sessions.run([("p", tokens, 1, None)], params)["p"]
         torch.testing.assert_close(session_rows(first, 0, len(tokens) - 1), processed(raw, **SETTINGS),
                                    rtol=0, atol=1e-5)  # fmt: skip
@@ -246,7 +255,6 @@ def test_processed_prompt_rows_equal_the_processed_distribution(engine):
 def test_processed_rows_of_a_chunked_prompt_are_processed_too(engine):
     """A step budget smaller than the prompts chunks them over steps: rows written across steps
     are still processed (vLLM's own loop, which the patch used to fall back to, is raw)."""
-    from verl_patches.vllm_session_rewind import PROCESS_KEY
 
     from verl.workers.rollout.vllm_sessions import SessionEngine
 
@@ -257,9 +265,7 @@ def test_processed_rows_of_a_chunked_prompt_are_processed_too(engine):
     scheduler.max_num_scheduled_tokens = 64  # 180 prompt tokens: at least three steps
     sessions = SessionEngine(engine)
     try:
-        params = lambda sid, m: scoring_params(
-            max_tokens=m, extra_args={PROCESS_KEY: True}, **SETTINGS
-        )  # noqa: E731
+        params = processed_params
         out = sessions.run([(f"c{i}", p, 1, None) for i, p in enumerate(prompts)], params)
     finally:
         scheduler.max_num_scheduled_tokens = budget
@@ -278,9 +284,7 @@ def test_lookup_reads_the_sessions_processed_row_at_given_ids(engine):
 
     sessions = SessionEngine(engine)
     try:
-        draft = lambda sid, m: scoring_params(
-            max_tokens=m, prompt_logprobs=None, logprobs=5, **SETTINGS
-        )  # noqa: E731
+        draft = draft_params
         sessions.run([("d", [*PROMPT, 50], 4, None)], draft)  # proposes 4 tokens
         ids = np.array([[3, 50, 77, 12, 99], [8, 9, 10, 11, 12]])
         prefixes = [[*PROMPT, 50, 61], [*PROMPT, 50]]
