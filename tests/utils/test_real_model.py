@@ -153,12 +153,12 @@ def engine(request, real_pair):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
-    threads = torch.get_num_threads()  # vLLM's CPU worker lowers torch's thread count
     llm = LLM(model=str(getattr(real_pair, request.param)), dtype="float32", enforce_eager=True,
               max_model_len=512, kv_cache_memory_bytes=2**28, seed=0, max_logprobs=20)  # fmt: skip
     yield request.param, llm
+    # (vLLM's CPU worker also pins torch to its threads and disables torch.set_num_threads for
+    # the rest of the process; the transformers computations after this run on those threads)
     llm.llm_engine.engine_core.shutdown()
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.vllm
