@@ -21,6 +21,16 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def release_cuda_cache() -> bool:
+    """Hand the CUDA caching allocator's unused blocks back to the driver, so that the vLLM engines
+    that wake after an actor phase find the memory the phase peaked at (fp32 logits over the whole
+    vocabulary in the update, gathered weights in a sync). A no-op without CUDA; True when it ran."""
+    if not torch.cuda.is_available():
+        return False
+    torch.cuda.empty_cache()
+    return True
+
+
 def free_port() -> int:
     """A TCP port free on this host right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

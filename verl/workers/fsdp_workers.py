@@ -27,6 +27,7 @@ from verl.utils.fsdp_utils import (
     full_tensors,
     init_distributed,
     load_hf_model,
+    release_cuda_cache,
 )
 from verl.utils.shared_tensors import SharedTensors, to_shared
 from verl.workers.actor.config import OptimConfig
@@ -144,7 +145,11 @@ class FSDPWorker:
         )
 
     def _to_device(self, data: DataProto) -> DataProto:
-        return data.to("cuda" if device_type() == "cuda" else "cpu")
+        """On CUDA a new DataProto on the GPU (`DataProto.to` moves in place: the caller's `data`
+        would keep the GPU copies alive through `release_cuda_cache`); on CPU `data` itself."""
+        if device_type() != "cuda" or data.batch is None:
+            return data
+        return DataProto(data.batch.to("cuda"), data.non_tensor_batch, data.meta_info)
 
     # ------------------------------------------------------------------ compute
     def _require(self, part: str) -> DataParallelPPOActor:
@@ -155,19 +160,27 @@ class FSDPWorker:
             )
         return held
 
+    # Every phase below ends with `release_cuda_cache()` (CUDA only): the caching allocator would
+    # otherwise keep the phase's peak reserved while the vLLM engines on the same GPU wake up.
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """`old_log_probs` (+ `entropy` when meta_info['calculate_entropy'], `sum_pi_squared` when configured)."""
         entropy = data.meta_info.get("calculate_entropy", False)
-        return self._require("actor").compute_log_prob(self._to_device(data), entropy).to("cpu")
+        out = self._require("actor").compute_log_prob(self._to_device(data), entropy).to("cpu")
+        release_cuda_cache()
+        return out
 
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """`ref_log_probs` (B, T) under the frozen initial policy."""
         out = self._require("ref").compute_log_prob(self._to_device(data))
-        return DataProto.from_dict({"ref_log_probs": out.batch["old_log_probs"].cpu()})
+        out = DataProto.from_dict({"ref_log_probs": out.batch["old_log_probs"].cpu()})
+        release_cuda_cache()
+        return out
 
     def update_actor(self, data: DataProto) -> dict[str, list[float]]:
         """One training step of the policy on this rank's share of the batch; returns metrics."""
-        return self._require("actor").update_policy(self._to_device(data))
+        metrics = self._require("actor").update_policy(self._to_device(data))
+        release_cuda_cache()
+        return metrics
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, path: str, export_hf_weights: bool = True) -> str:
@@ -201,6 +214,7 @@ class FSDPWorker:
         """One bucket of unsharded weights as shared arrays (returned by rank 0, None elsewhere,
         read zero-copy by every replica); a collective call."""
         bucket = full_tensors(self.module, names)
+        release_cuda_cache()  # the gathered bucket's GPU copies, before the engines take memory
         return to_shared(bucket) if self.rank == 0 else None
 
     def environment(self) -> dict[str, Any]:
