@@ -4,6 +4,9 @@
 # Used by `make test` and `make demo`; safe to run again: it reinstalls only when setup.py,
 # pyproject.toml or this script changed since the last successful install (stamp file).
 # CPU machines get the CPU build of vLLM (extra `cpu`), GPU machines the CUDA build (`gpu`).
+# flash-attn is opt-in on GPU machines: VERL_FLASH_ATTN=1 installs it (when no wheel matches
+# torch, pip builds it from source: 30-120 minutes and nvcc; its output is shown), then checks
+# that it imports; without it the actor's attention is sdpa (worker.actor.model.attn_implementation).
 set -euo pipefail
 
 VENV=${VENV:-.venv}
@@ -23,7 +26,13 @@ else
   device=cpu
 fi
 
-want=$(cat setup.py pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)-$device
+flash_attn=${VERL_FLASH_ATTN:-0}
+if [ "$flash_attn" = 1 ] && [ "$device" != gpu ]; then
+  echo "setup_env: VERL_FLASH_ATTN=1 ignored: flash-attn needs a CUDA machine (this one installs the $device stack)" >&2
+  flash_attn=0
+fi
+
+want=$(cat setup.py pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)-$device-flash_attn$flash_attn
 if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
 fi
@@ -39,8 +48,16 @@ $PIP install -q --upgrade pip setuptools wheel
 $PIP install -q "torch==2.13.0"
 if [ "$device" = gpu ]; then
   $PIP install -q -e ".[dev]" "vllm==0.32.0"
-  $PIP install -q --no-build-isolation flash-attn \
-    || echo "setup_env: flash-attn did not install; attention falls back to sdpa (worker.actor.model.attn_implementation)" >&2
+  if [ "$flash_attn" = 1 ]; then
+    echo "setup_env: VERL_FLASH_ATTN=1: installing flash-attn (a source build takes 30-120 minutes)"
+    $PIP install --no-build-isolation flash-attn \
+      || echo "setup_env: flash-attn did not install; attention uses sdpa (worker.actor.model.attn_implementation)" >&2
+    # the import the actor does (package and CUDA extension): a build for another torch fails here
+    if ! why=$("$VENV/bin/python" -c "import flash_attn, flash_attn_2_cuda" 2>&1); then
+      echo "setup_env: flash-attn does not import ($(printf '%s\n' "$why" | tail -n 1)); uninstalled it, attention uses sdpa" >&2
+      $PIP uninstall -q -y flash-attn >/dev/null 2>&1 || true
+    fi
+  fi
 else
   $PIP install -q -e ".[$device,dev]"
 fi
