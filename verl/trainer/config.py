@@ -135,6 +135,8 @@ class AlgorithmConfig:
     """OPSM: drop responses with A < 0 and mean log(μ/π_θ) > δ (None: off)."""
     mismatch_forced_threshold: float = -0.01
     """Tokens sampled with log-prob above this are 'forced' and left out of mismatch KLs."""
+    max_mismatch_kl: float | None = 0.05
+    """Fail the step when mismatch/kl_v2 exceeds this: stale or lost rollout weights (None: off)."""
     distill: DistillConfig = field(default_factory=DistillConfig)
     """On-policy distillation from the guidance model (README_guidance.md)."""
 
@@ -157,6 +159,8 @@ class AlgorithmConfig:
                 fail(f"{prefix}.{name}_lower", low, f"must not exceed {prefix}.{name}_upper={high}")
         if self.opsm_delta is not None:
             check_range(f"{prefix}.opsm_delta", self.opsm_delta, 0.0)
+        if self.max_mismatch_kl is not None:
+            check_range(f"{prefix}.max_mismatch_kl", self.max_mismatch_kl, 0.0, low_open=True)
         self.distill.validate(f"{prefix}.distill")
 
 

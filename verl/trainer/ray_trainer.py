@@ -46,6 +46,27 @@ STEP_DIR = "global_step_{}"
 LATEST = "latest_checkpointed_iteration.txt"
 
 
+class StaleRolloutWeights(RuntimeError):
+    """The draft engine's sampling log-probs are not the actor's (`algorithm.max_mismatch_kl`)."""
+
+
+def check_mismatch_kl(metrics: dict[str, float], bound: float | None, step: int) -> None:
+    """Raise `StaleRolloutWeights` in one line when the step's `mismatch/kl_v2` (½·mean of the
+    squared gap between the draft engine's and the actor's log-probs of the same tokens) exceeds
+    `bound`; None turns the check off. Rounding alone gives about 1e-12 in float32 on CPU and
+    1e-4 to 1e-3 in bfloat16; an engine on weights that a sync missed or a wake-up lost is far
+    off (TRL #5312, verl #7904)."""
+    value = metrics.get(M.MISMATCH_KL_V2)
+    if bound is None or value is None or not value > bound:  # (a NaN is no evidence either way)
+        return
+    raise StaleRolloutWeights(
+        f"step {step}: {M.MISMATCH_KL_V2} = {value:.4g} exceeds algorithm.max_mismatch_kl = "
+        f"{bound:g}: the draft engine's log-probs are not the actor's (stale or lost rollout "
+        "weights: a weight sync that missed a tensor, a wake-up that dropped them); valid: a bound "
+        "above this run's normal mismatch, or null to turn the check off"
+    )
+
+
 class RayPPOTrainer:
     """Builds the workers, then `fit()` runs validation, training steps, logging and checkpoints."""
 
@@ -239,6 +260,7 @@ class RayPPOTrainer:
             batch.batch["token_level_scores"], components = reward_future.result()
         with timed("off_policy", metrics):
             self._off_policy(batch, metrics)
+        check_mismatch_kl(metrics, self.config.algorithm.max_mismatch_kl, self.global_step)
         with timed("adv", metrics):
             self._advantages(batch, metrics)
         with timed("update_actor", metrics):
