@@ -30,12 +30,24 @@ And, for every request (same results, one batch instead of a loop):
    distribution the engine samples from at any K; `GATHER_KEY: ids` reads the rows at those ids
    instead of the top-K (the draft's p at the guidance's listed tokens, `vllm_sessions.lookup`).
 
+The LM head and the fp32 log-softmax of 3. run outside vLLM's memory budget, so they go in
+chunks of at most `PROMPT_LOGPROB_CHUNK_BYTES` of fp32 logits (rows x vocabulary x 4 bytes),
+with the same results as one pass.
+
 `resume()` starts a paused session's next chunk through the scheduler's session update
 directly (1. above, or vLLM's own append when the patch is removed), without the request objects
 `EngineCore.add_request` builds for every chunk.
 
+`restrict_vocab(llm, rows)` gives the ids >= `rows` probability exactly 0 in everything an
+engine computes (its logits there are -inf before any processing): a guidance with more
+embedding rows than its draft never scores or samples an id the draft's embedding lacks.
+
 Guarded by version: `apply()` refuses any vLLM not in `SUPPORTED_VLLM`, naming the version.
-`remove()` restores the originals (the test uses it to show the patch is needed).
+`check_engine(llm)` checks the engine vLLM actually built, in one line each: its model runner
+runs the patched V1 methods (vLLM 0.32 builds Model Runner V2 wherever Triton is usable unless
+`VLLM_USE_V2_MODEL_RUNNER=0`), its scheduler is the patched synchronous one (async scheduling
+off), and both are reachable in-process. `remove()` restores the originals (the test uses it to
+show the patch is needed).
 """
 
 from __future__ import annotations
@@ -49,6 +61,8 @@ REPLACE_KEY = "verl_session_replace"
 RECOMPUTE_FROM_KEY = "verl_recompute_from"
 PROCESS_KEY = "verl_processed_prompt_logprobs"
 GATHER_KEY = "verl_gather_ids"
+PROMPT_LOGPROB_CHUNK_BYTES = 256 * 2**20
+"""Most fp32 logits the prompt log-probs of one step hold at once (rows x vocabulary x 4 bytes)."""
 
 _originals: dict[str, object] = {}
 
@@ -165,23 +179,29 @@ def _processing(params, vocab: int) -> tuple[float, int, float]:
 
 def _process_rows(logits, temperature, top_k, top_p):
     """log_softmax(top-k/top-p(logits / T)) per row, exactly what vLLM's sampler reports as
-    `processed_logprobs` (float32 logits, vLLM's own `apply_top_k_top_p`). (R, V) -> (R, V)."""
+    `processed_logprobs` (float32 logits, vLLM's own `apply_top_k_top_p`). (R, V) -> (R, V).
+    `top_k` / `top_p`: (R,) or None (no row of the step truncates that way)."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
     scaled = logits.to(torch.float32) / temperature.to(logits.device).unsqueeze(-1)
-    k = top_k.to(logits.device) if bool((top_k < logits.shape[-1]).any()) else None
-    p = top_p.to(logits.device) if bool((top_p < 1.0).any()) else None
+    k = None if top_k is None else top_k.to(logits.device)
+    p = None if top_p is None else top_p.to(logits.device)
     return apply_top_k_top_p(scaled, k, p).log_softmax(dim=-1, dtype=torch.float32)
+
+
+def chunk_rows(vocab: int) -> int:
+    """Rows of one prompt log-prob chunk: their fp32 logits fit `PROMPT_LOGPROB_CHUNK_BYTES`."""
+    return max(1, PROMPT_LOGPROB_CHUNK_BYTES // (4 * vocab))
 
 
 def _batched_prompt_logprobs(self, hidden_states, plan: list) -> dict:
     """Prompt log-probs of every request of the step in `plan` (req_id, columns, first row,
-    rows, complete): one LM head for all their rows, each row processed with its request's
-    sampling settings where it asks for it (`PROCESS_KEY`), then the top-K gather, or a gather at
-    the request's own ids (`GATHER_KEY`: column 0 the prompt token, then those ids). A request's
-    (len(prompt) - 1)-row tensors are views of one buffer per column count, kept across steps
-    while its prompt is chunked (unset rows: garbage, as in vLLM's `empty_cpu`). Returns the
-    tensors of the requests whose prompt ends in this step."""
+    rows, complete): the LM head over all their rows in chunks of `chunk_rows`, each row
+    processed with its request's sampling settings where it asks for it (`PROCESS_KEY`), then
+    the top-K gather, or a gather at the request's own ids (`GATHER_KEY`: column 0 the prompt
+    token, then those ids). A request's (len(prompt) - 1)-row tensors are views of one buffer per
+    column count, kept across steps while its prompt is chunked (unset rows: garbage, as in
+    vLLM's `empty_cpu`). Returns the tensors of the requests whose prompt ends in this step."""
     import numpy as np
     from vllm.v1.outputs import LogprobsTensors
 
@@ -199,32 +219,37 @@ def _batched_prompt_logprobs(self, hidden_states, plan: list) -> dict:
             self.requests[req_id].in_progress_prompt_logprobs_cpu = LogprobsTensors(
                 buffer.logprob_token_ids[a:b], buffer.logprobs[a:b], buffer.selected_token_ranks[a:b]
             )  # fmt: skip
-    hidden_rows, targets, settings, owners = [], [], [], []
-    for i, (req_id, _, start, count, _) in enumerate(plan):
+    hidden_rows, targets, settings = [], [], []
+    for req_id, _, start, count, _ in plan:
         if count:
             request = self.requests[req_id]
             offset = int(self.query_start_loc.np[self.input_batch.req_id_to_index[req_id]])
             hidden_rows.append(np.arange(offset, offset + count))
             targets.append(request.prompt_token_ids[start + 1 : start + 1 + count])
             settings.append(np.tile(_processing(request.sampling_params, vocab), (count, 1)))
-            owners.append(np.full(count, i))
     if hidden_rows:
-        picked = torch.from_numpy(np.concatenate(hidden_rows)).to(hidden_states.device)
-        logits = self.model.compute_logits(hidden_states[picked])
+        picked = torch.from_numpy(np.concatenate(hidden_rows))
         setting = torch.from_numpy(np.concatenate(settings))
         flat_targets = torch.tensor([t for chunk in targets for t in chunk], dtype=torch.int64)
-        flat_targets = flat_targets.to(logits.device)
-        if bool(
-            (setting[:, 0] != 1.0).any()
-            | (setting[:, 1] < vocab).any()
-            | (setting[:, 2] < 1.0).any()
-        ):
-            scores = _process_rows(logits, setting[:, 0], setting[:, 1].long(), setting[:, 2])
-        elif self.model_config.logprobs_mode in ("raw_logits", "processed_logits"):
-            scores = logits.to(torch.float32)
-        else:
-            scores = self.sampler.compute_logprobs(logits)
-        _write_rows(self, plan, scores, flat_targets, np.concatenate(owners))
+        # how rows are scored is decided for the whole step, so chunks never change a result
+        truncate_k = bool((setting[:, 1] < vocab).any())
+        truncate_p = bool((setting[:, 2] < 1.0).any())
+        process = truncate_k or truncate_p or bool((setting[:, 0] != 1.0).any())
+        step = chunk_rows(vocab)
+        for a in range(0, len(picked), step):
+            b = min(a + step, len(picked))
+            logits = self.model.compute_logits(hidden_states[picked[a:b].to(hidden_states.device)])
+            if process:
+                part = setting[a:b]
+                scores = _process_rows(logits, part[:, 0], part[:, 1].long() if truncate_k else None,
+                                       part[:, 2] if truncate_p else None)  # fmt: skip
+            elif self.model_config.logprobs_mode in ("raw_logits", "processed_logits"):
+                scores = logits.to(torch.float32)
+            else:
+                scores = self.sampler.compute_logprobs(logits)
+            del logits
+            _write_rows(self, plan, scores, flat_targets[a:b].to(scores.device), a)
+            del scores
     return {
         req_id: self.requests[req_id].in_progress_prompt_logprobs_cpu
         for req_id, *_, complete in plan
@@ -232,49 +257,149 @@ def _batched_prompt_logprobs(self, hidden_states, plan: list) -> dict:
     }
 
 
-def _write_rows(self, plan: list, scores, targets, owners) -> None:
-    """Gather each request's rows of `scores` (R, V) (top-K, or its own ids) into its buffer."""
+def _write_rows(self, plan: list, scores, targets, first: int) -> None:
+    """Gather the rows of `scores` (R, V), the step's rows first .. first + R - 1 in `plan`
+    order, (top-K, or each request's own ids) into their requests' buffers."""
     import numpy as np
 
-    row = 0
+    last, row = first + scores.shape[0], 0
     groups: dict[tuple, list] = {}  # rows gathered alike: (columns, at own ids?)
-    for i, (req_id, columns, _, count, _) in enumerate(plan):
-        if count:
+    for req_id, columns, start, count, _ in plan:
+        lo, hi = max(row, first), min(row + count, last)
+        if lo < hi:  # (position in the request's buffer, row in `scores`, rows, its ids)
             ids = _gather_ids(self.requests[req_id].sampling_params)
-            groups.setdefault((columns, ids is not None), []).append((i, row, count, ids))
-            row += count
+            member = (req_id, start + lo - row, lo - first, hi - lo, ids)
+            groups.setdefault((columns, ids is not None), []).append(member)
+        row += count
+        if row >= last:
+            break
     for (columns, own_ids), members in groups.items():
-        rows = torch.from_numpy(np.concatenate([np.arange(r, r + c) for _, r, c, _ in members]))
-        rows = rows.to(scores.device)
+        rows = np.concatenate([np.arange(r, r + c) for _, _, r, c, _ in members])
+        rows = torch.from_numpy(rows).to(scores.device)
         part, wanted = scores[rows], targets[rows]
         if not own_ids:
             token_ids, logprobs, ranks, *_ = self.sampler.gather_logprobs(part, columns, wanted)
         else:  # (rows, columns) ids, each request's own list repeated over its rows
             listed = np.concatenate([np.tile(np.asarray(ids, dtype=np.int64), (c, 1))
-                                     for _, _, c, ids in members])  # fmt: skip
+                                     for *_, c, ids in members])  # fmt: skip
             token_ids = torch.cat(
                 [wanted.unsqueeze(-1), torch.from_numpy(listed).to(part.device)], -1
             )
             logprobs = part.gather(-1, token_ids)
             ranks = (part > logprobs[:, :1]).sum(-1)
         at = 0
-        for i, _, count, _ in members:
-            req_id, _, start, *_ = plan[i]
+        for req_id, pos, _, count, _ in members:
             out = self.requests[req_id].in_progress_prompt_logprobs_cpu
-            out.logprob_token_ids[start : start + count].copy_(token_ids[at : at + count])
-            out.logprobs[start : start + count].copy_(logprobs[at : at + count])
-            out.selected_token_ranks[start : start + count].copy_(ranks[at : at + count])
+            out.logprob_token_ids[pos : pos + count].copy_(token_ids[at : at + count])
+            out.logprobs[pos : pos + count].copy_(logprobs[at : at + count])
+            out.selected_token_ranks[pos : pos + count].copy_(ranks[at : at + count])
             at += count
 
 
 def is_applied() -> bool:
-    """Whether the patched methods are installed."""
+    """Whether the patched methods are installed on vLLM's classes (`check_engine` checks the
+    runner and scheduler an engine actually built)."""
     scheduler, runner = _classes()
     return (
         scheduler._update_request_as_session is _update_request_as_session
         and runner._update_streaming_request is _update_streaming_request
         and runner._get_prompt_logprobs_dict is _get_prompt_logprobs_dict
     )
+
+
+_PATCHED_RUNNER = {"_update_streaming_request": _update_streaming_request,
+                   "_get_prompt_logprobs_dict": _get_prompt_logprobs_dict}  # fmt: skip
+
+
+def live_runner(llm):
+    """The model runner an in-process `vllm.LLM` built (one line when it is not reachable)."""
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)
+    if core is None:
+        raise RuntimeError(
+            f"vLLM runs its engine core in another process ({type(client).__name__}); the session "
+            "patch reaches it in-process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before the engine starts"
+        )
+    executor = core.model_executor
+    worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
+    if worker is None:
+        raise RuntimeError(
+            f"vLLM's {type(executor).__name__} has no in-process worker (tensor_parallel_size > 1?); "
+            "the session patch and the weight sync need tensor_parallel_size=1 (UniProcExecutor)"
+        )
+    return worker.model_runner
+
+
+def check_engine(llm) -> str:
+    """Check the engine vLLM built, not only the classes: its live model runner is a V1
+    `GPUModelRunner` (the CPU runner is one) whose class runs the patched methods, and its live
+    scheduler is the patched synchronous `Scheduler` (async scheduling could run a stale step of a
+    session after it was rewound). Raises one line naming what was found and the fix; returns
+    the runner's class name."""
+    scheduler_cls, runner_cls = _classes()
+    runner = live_runner(llm)
+    kind = type(runner)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if not isinstance(runner, runner_cls):
+        raise RuntimeError(
+            f"vLLM built model runner {name}, not the V1 GPUModelRunner "
+            "(vllm.v1.worker.gpu_model_runner) that patches/vllm_session_rewind.py changes; pin "
+            "the V1 runner with VLLM_USE_V2_MODEL_RUNNER=0 before the engine starts"
+        )
+    missing = [m for m, f in _PATCHED_RUNNER.items() if getattr(kind, m) is not f]
+    if missing:
+        raise RuntimeError(
+            f"model runner {name} does not run the session patch's {', '.join(missing)} "
+            "(patch not applied, or the runner class overrides them): call "
+            "vllm_session_rewind.apply() before starting sessions"
+        )
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    core = llm.llm_engine.engine_core.engine_core
+    scheduler = core.scheduler
+    if (
+        core.async_scheduling
+        or getattr(core, "batch_queue", None) is not None
+        or isinstance(scheduler, AsyncScheduler)
+    ):
+        raise RuntimeError(
+            f"vLLM engine runs with async scheduling (scheduler {type(scheduler).__name__}); "
+            "rewindable sessions need it off: build the engine with async_scheduling=False"
+        )
+    if (
+        not isinstance(scheduler, scheduler_cls)
+        or type(scheduler)._update_request_as_session is not _update_request_as_session
+    ):
+        raise RuntimeError(
+            f"vLLM built scheduler {type(scheduler).__module__}.{type(scheduler).__qualname__}, "
+            "which does not run the session patch's _update_request_as_session: call "
+            "vllm_session_rewind.apply() and use vLLM's default synchronous scheduler"
+        )
+    return name
+
+
+def restrict_vocab(llm, rows: int | None) -> None:
+    """Ids >= `rows` get probability exactly 0 in everything the engine computes from now on:
+    the live model's logits there are -inf before any processing, so sampled tokens, their
+    log-probs and prompt rows (processed or not) all live on the first `rows` ids, renormalised
+    over them (idempotent; `rows` >= the vocabulary changes nothing; None restores the model's
+    own logits)."""
+    model = live_runner(llm).model
+    current = model.compute_logits
+    original = getattr(current, "verl_original", current)
+    if rows is None:
+        if original is not current:
+            del model.compute_logits  # the instance attribute: the class's method again
+        return
+
+    def compute_logits(hidden_states, *args, **kwargs):
+        logits = original(hidden_states, *args, **kwargs)
+        if logits is not None and logits.shape[-1] > rows:
+            logits[..., rows:] = float("-inf")
+        return logits
+
+    compute_logits.verl_original, compute_logits.verl_rows = original, rows
+    model.compute_logits = compute_logits
 
 
 def apply() -> None:

@@ -301,3 +301,223 @@ def test_lookup_reads_the_sessions_processed_row_at_given_ids(engine):
         np.testing.assert_allclose(
             found[row], dense[torch.from_numpy(want)].numpy(), rtol=0, atol=1e-5
         )
+
+
+# ------------------------------------------------------------------ the live engine, checked
+def _worker(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+
+
+def test_check_engine_names_the_live_v1_runner(engine):
+    from verl_patches import vllm_session_rewind
+
+    name = vllm_session_rewind.check_engine(engine)
+    assert name == "vllm.v1.worker.cpu_model_runner.CPUModelRunner"  # a V1 GPUModelRunner
+
+
+def test_check_engine_refuses_a_model_runner_v2_instance(engine, monkeypatch):
+    """What vLLM 0.32 builds on CUDA with Triton unless VLLM_USE_V2_MODEL_RUNNER=0: the V2
+    GPUModelRunner (an instance of the real class, not built), which the patch does not change."""
+    from verl_patches import vllm_session_rewind
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+
+    monkeypatch.setattr(_worker(engine), "model_runner", object.__new__(V2Runner))
+    with pytest.raises(RuntimeError) as info:
+        vllm_session_rewind.check_engine(engine)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "vLLM built model runner vllm.v1.worker.gpu.model_runner.GPUModelRunner, not the V1"
+    )
+    assert message.endswith("pin the V1 runner with VLLM_USE_V2_MODEL_RUNNER=0 before the engine starts")  # fmt: skip
+
+
+def test_check_engine_refuses_a_v1_runner_that_overrides_the_patched_methods(engine, monkeypatch):
+    from verl_patches import vllm_session_rewind
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    class OwnLogprobs(CPUModelRunner):  # a stand-in subclass with its own prompt log-probs
+        def _get_prompt_logprobs_dict(self, hidden_states, num_scheduled_tokens):
+            return {}
+
+    monkeypatch.setattr(_worker(engine), "model_runner", object.__new__(OwnLogprobs))
+    with pytest.raises(RuntimeError, match=r"OwnLogprobs does not run the session patch's _get_prompt_logprobs_dict"):  # fmt: skip
+        vllm_session_rewind.check_engine(engine)
+    monkeypatch.undo()
+    vllm_session_rewind.remove()  # the classes unpatched: the live runner fails the check too
+    try:
+        with pytest.raises(RuntimeError, match="_update_streaming_request, _get_prompt_logprobs_dict"):  # fmt: skip
+            vllm_session_rewind.check_engine(engine)
+    finally:
+        vllm_session_rewind.apply()
+
+
+def test_check_engine_refuses_async_scheduling(engine, monkeypatch):
+    from verl_patches import vllm_session_rewind
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    core = engine.llm_engine.engine_core.engine_core
+    monkeypatch.setattr(core, "async_scheduling", True)  # what CUDA's default turns on
+    with pytest.raises(RuntimeError, match=r"runs with async scheduling \(scheduler Scheduler\).*async_scheduling=False$"):  # fmt: skip
+        vllm_session_rewind.check_engine(engine)
+    monkeypatch.undo()
+    monkeypatch.setattr(core, "scheduler", object.__new__(AsyncScheduler))
+    with pytest.raises(RuntimeError, match=r"scheduler AsyncScheduler"):
+        vllm_session_rewind.check_engine(engine)
+
+
+def test_check_engine_needs_the_engine_and_its_runner_in_process():
+    """Stand-ins for what vLLM builds otherwise: an engine core in another process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=1), and a multiprocess executor (tensor_parallel_size > 1)
+    without an in-process worker."""
+    from types import SimpleNamespace
+
+    from verl_patches import vllm_session_rewind
+
+    class SyncMPClient:
+        pass
+
+    remote = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SyncMPClient()))
+    with pytest.raises(RuntimeError, match=r"engine core in another process \(SyncMPClient\).*VLLM_ENABLE_V1_MULTIPROCESSING=0"):  # fmt: skip
+        vllm_session_rewind.check_engine(remote)
+
+    class MultiprocExecutor:
+        pass
+
+    core = SimpleNamespace(model_executor=MultiprocExecutor())
+    wide = SimpleNamespace(
+        llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=core))
+    )
+    with pytest.raises(RuntimeError, match=r"MultiprocExecutor has no in-process worker.*tensor_parallel_size=1"):  # fmt: skip
+        vllm_session_rewind.check_engine(wide)
+
+
+def test_a_session_engine_checks_the_live_engine(engine, monkeypatch):
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+
+    from verl.workers.rollout.vllm_sessions import SessionEngine
+
+    monkeypatch.setattr(_worker(engine), "model_runner", object.__new__(V2Runner))
+    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        SessionEngine(engine)
+
+
+# ------------------------------------------------------------------ prompt log-probs in chunks
+@pytest.fixture(params=["one chunk", "7-row chunks"])
+def chunks(request, engine, monkeypatch):
+    """The step's prompt rows in one chunk (the default bound holds every step here), or in chunks
+    of 7 rows (the bound lowered); yields the row counts of each LM-head call."""
+    from verl_patches import vllm_session_rewind
+
+    if request.param == "7-row chunks":
+        monkeypatch.setattr(vllm_session_rewind, "PROMPT_LOGPROB_CHUNK_BYTES", 7 * 4 * VOCAB)
+    model = vllm_session_rewind.live_runner(engine).model
+    calls, own = [], model.compute_logits
+
+    def counting(hidden_states, *args, **kwargs):
+        calls.append(hidden_states.shape[0])
+        return own(hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(model, "compute_logits", counting)
+    yield request.param, calls
+
+
+def test_chunk_rows_bound_the_fp32_logits():
+    from verl_patches import vllm_session_rewind
+
+    assert vllm_session_rewind.chunk_rows(151_936) == 441  # 441 x 151,936 x 4 B = 255.6 MiB
+    assert 441 * 151_936 * 4 <= 256 * 2**20 < 442 * 151_936 * 4
+    assert vllm_session_rewind.chunk_rows(10**9) == 1
+
+
+def test_chunked_prompt_logprobs_equal_vllms_own_loop_and_the_processed_rows(engine, chunks):
+    """A step with more rows than one chunk (170 rows, 7 per chunk) gives the rows of vLLM's own
+    per-request loop (raw), and of `processed` (PROCESS_KEY), as one pass does."""
+    from verl_patches import vllm_session_rewind
+
+    from verl.workers.rollout.vllm_sessions import SessionEngine
+
+    name, calls = chunks
+    gen = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(4, VOCAB, (n,), generator=gen).tolist() for n in (3, 17, 40, 64, 9, 42)
+    ]
+    patched = fresh_prompt_logprobs(engine, *prompts)
+    rows = sum(len(p) - 1 for p in prompts)  # 169, all in one engine step
+    if name == "7-row chunks":  # 25 LM-head calls of at most 7 rows (+ the sampler's own)
+        assert max(calls) <= 7 and len(calls) >= -(-rows // 7)
+    else:
+        assert rows in calls
+    vllm_session_rewind.remove()
+    try:
+        own = fresh_prompt_logprobs(engine, *prompts)
+    finally:
+        vllm_session_rewind.apply()
+    for a, b in zip(patched, own, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    sessions = SessionEngine(engine)
+    try:
+        out = sessions.run([(f"c{i}", p, 1, None) for i, p in enumerate(prompts)], processed_params)
+    finally:
+        sessions.close()
+    for i, (p, raw) in enumerate(zip(prompts, own, strict=True)):
+        torch.testing.assert_close(session_rows(out[f"c{i}"], 0, len(p) - 1), processed(raw, **SETTINGS),
+                                   rtol=0, atol=1e-5)  # fmt: skip
+
+
+def test_chunked_lookups_read_the_processed_rows_at_given_ids(engine, chunks):
+    """GATHER_KEY rows split over chunks: a lookup after a 60-token prefix (its rows spread over
+    9 chunks of 7) still reads the processed row at the given ids."""
+    from verl.workers.rollout.vllm_sessions import SessionEngine
+
+    gen = torch.Generator().manual_seed(2)
+    prefix = torch.randint(4, VOCAB, (60,), generator=gen).tolist()
+    ids = np.array([3, 50, 77, 12, 99, 4])
+    sessions = SessionEngine(engine)
+    try:
+        sessions.run([("d", prefix[:2], 1, None)], draft_params)
+        found = sessions.lookup([("d", prefix, ids)])
+    finally:
+        sessions.close()
+    dense = processed(fresh_prompt_logprobs(engine, [*prefix, 1])[0][-1:], **SETTINGS)[0]
+    np.testing.assert_allclose(found[0], dense[torch.from_numpy(ids)].numpy(), rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------ a restricted vocabulary
+def test_restrict_vocab_gives_the_ids_past_the_rows_exact_zeros(engine):
+    """restrict_vocab(llm, 90): prompt rows (raw and processed) are the model's rows renormalised
+    over ids 0..89 with -inf past them, sampled tokens never reach 90, and None restores."""
+    from verl_patches import vllm_session_rewind
+    from vllm import SamplingParams
+
+    from verl.workers.rollout.vllm_sessions import SessionEngine
+
+    tokens = [*PROMPT, 50, 51, 52]
+    raw = fresh_prompt_logprobs(engine, tokens)[0]
+    assert torch.isfinite(raw[:, 90:]).all()  # the model gives ids 90..99 probability
+    vllm_session_rewind.restrict_vocab(engine, 90)
+    vllm_session_rewind.restrict_vocab(engine, 90)  # idempotent: one mask, not two wrappers
+    try:
+        restricted = fresh_prompt_logprobs(engine, tokens)[0]
+        assert torch.isneginf(restricted[:, 90:]).all()
+        torch.testing.assert_close(
+            restricted[:, :90], torch.log_softmax(raw[:, :90], -1), rtol=0, atol=1e-5
+        )
+        sessions = SessionEngine(engine)
+        try:
+            out = sessions.run([("p", tokens, 1, None)], processed_params)["p"]
+        finally:
+            sessions.close()
+        rows = session_rows(out, 0, len(tokens) - 1)
+        assert torch.isneginf(rows[:, 90:]).all()
+        expected = processed(torch.log_softmax(raw[:, :90], -1), **SETTINGS)
+        torch.testing.assert_close(rows[:, :90], expected, rtol=0, atol=1e-5)
+        params = SamplingParams(
+            max_tokens=32, temperature=2.0, seed=0, detokenize=False, ignore_eos=True
+        )
+        outs = engine.generate([{"prompt_token_ids": PROMPT}] * 8, params, use_tqdm=False)
+        sampled = [t for o in outs for t in o.outputs[0].token_ids]
+        assert len(sampled) == 256 and max(sampled) < 90
+    finally:
+        vllm_session_rewind.restrict_vocab(engine, None)
+    torch.testing.assert_close(fresh_prompt_logprobs(engine, tokens)[0], raw, rtol=0, atol=0)

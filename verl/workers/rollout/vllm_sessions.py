@@ -48,7 +48,9 @@ class ChunkOutput:
 
 
 class SessionEngine:
-    """Sessions on an `vllm.LLM` built with `enable_prefix_caching=False`.
+    """Sessions on an in-process `vllm.LLM` built with `enable_prefix_caching=False`, whose live
+    model runner and scheduler run the session patch (`vllm_session_rewind.check_engine`: the V1
+    runner, async scheduling off).
 
     `run` adds one chunk per session (a new session starts from its tokens; an open one is
     rewound to them) and steps the engine until every chunk stopped; `add` and `step` do the
@@ -58,6 +60,7 @@ class SessionEngine:
 
     def __init__(self, llm) -> None:
         vllm_session_rewind.apply()
+        vllm_session_rewind.check_engine(llm)  # the live runner and scheduler run the patch
         self._engine = llm.llm_engine
         self._client = self._engine.engine_core
         core = self._client.engine_core
