@@ -3,6 +3,7 @@ Ray are touched), with the capability its name promises and the environment's ov
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -70,3 +71,48 @@ def test_guidance_gpus_take_their_share_of_the_node():
     config = OmegaConf.create(proc.stdout)
     assert config.trainer.n_gpus_per_node == 6
     assert config.worker.rollout.offpolicy_guidance.n_gpus_per_node == 2
+
+
+def test_readme_gpu_quickstart_takes_hub_ids(tmp_path, monkeypatch):
+    """README's "On a GPU box" command, hub ids as given, with tiny same-tokenizer models under
+    those ids in a local Hugging Face cache (HF_HUB_OFFLINE=1): `--dry-run` passes and keeps the
+    ids, and the model checks `prepare` runs before Ray (`check_models`) resolve both to their
+    snapshots. Without the cache the same command stops in one line naming the key."""
+    from verl.trainer.config import load_config, to_dict
+    from verl.trainer.main import check_models
+    from verl.utils.model_path import add_to_hub_cache
+    from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+
+    readme = (ROOT / "README.md").read_text()
+    env = {"MODEL_PATH": "Qwen/Qwen2.5-1.5B-Instruct", "GUIDANCE_PATH": "Qwen/Qwen2.5-7B-Instruct",
+           "TRAIN_FILES": "hiyouga/math12k@train", "VAL_FILES": "hiyouga/math12k@test", "N_GPUS": "8"}  # fmt: skip
+    command = " ".join(f"{k}={v}" for k, v in env.items())
+    assert command in " ".join(readme.replace("\\\n", " ").split())  # still the README's command
+    hub = tmp_path / "hub"
+    for name, spec in (("MODEL_PATH", TinyLMSpec(hidden_size=64, num_hidden_layers=1)),
+                       ("GUIDANCE_PATH", TinyLMSpec(num_hidden_layers=1, seed=2))):  # fmt: skip
+        add_to_hub_cache(save_tiny_lm(str(tmp_path / name), spec), env[name], cache_dir=str(hub))
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    launcher = ROOT / "examples" / "qwen2_5_1_5b_math_guided.sh"
+    proc = dry_run(launcher, **env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = OmegaConf.create(proc.stdout)
+    assert printed.worker.actor.model.model_path == env["MODEL_PATH"]
+    (tmp_path / "final.yaml").write_text(proc.stdout)
+    config = load_config([f"config={tmp_path / 'final.yaml'}"])
+    reloaded = json.loads(json.dumps(to_dict(config)))  # tuples as the YAML's lists
+    assert reloaded == OmegaConf.to_container(printed)  # the command's config, exactly
+    check_models(config)
+    for key, name in (("worker.actor.model.model_path", "MODEL_PATH"),
+                      ("worker.rollout.offpolicy_guidance.model_path", "GUIDANCE_PATH")):  # fmt: skip
+        resolved = OmegaConf.select(OmegaConf.structured(config), key)
+        assert resolved.startswith(str(hub / ("models--" + env[name].replace("/", "--"))))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    proc = subprocess.run(["bash", str(launcher), "trainer.max_steps=1"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHON": sys.executable, **env})  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith(
+        "error: worker.actor.model.model_path: 'Qwen/Qwen2.5-1.5B-Instruct' is not a local folder"
+    )

@@ -1,8 +1,9 @@
 """Command line (EasyR1 style): `python3 -m verl.trainer.main config=examples/x.yaml key=value ...`
 
 Everything a user can get wrong is checked before Ray starts: the config (one-line errors),
-model folders, the guidance tokenizer, the datasets and the reward function. Then Ray starts
-locally (or joins the cluster in `RAY_ADDRESS`), the trainer runs, and plots are written.
+the models (hub ids resolved to local folders, `verl.utils.model_path`), the guidance
+tokenizer, the datasets and the reward function. Then Ray starts locally (or joins the cluster
+in `RAY_ADDRESS`), the trainer runs, and plots are written.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ class Prepared:
 
 
 def _check_model_folder(key: str, path: str | None) -> None:
+    """`path` (already resolved to a local folder) holds a model: its config.json at least."""
     if not path or not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(
-            f"{key}: {path!r} is not a local model folder (config.json, weights, tokenizer)"
+            f"{key}: {path!r} is not a local model folder (config.json, weights, tokenizer); "
+            "valid: such a folder, or the hub id org/name[@revision] of a model"
         )
 
 
@@ -51,12 +54,28 @@ def _build_embedded_if_needed(config: PPOConfig) -> None:
             build_embedded(task=task)
 
 
+def check_models(config: PPOConfig) -> None:
+    """Resolve every model path key to a local folder, in place (hub ids through the Hugging
+    Face cache, downloaded when missing and the hub is reachable), then check the folders and
+    that the guidance shares the draft's tokenizer. One-line errors; no model is loaded."""
+    from verl.utils.model_path import resolve_config_model_paths
+    from verl.workers.rollout.vllm_rollout_spmd import check_same_tokenizer
+
+    _build_embedded_if_needed(config)
+    resolve_config_model_paths(config)
+    actor_path = config.worker.actor.model.model_path
+    _check_model_folder("worker.actor.model.model_path", actor_path)
+    guidance = config.worker.rollout.offpolicy_guidance
+    if guidance.enable:
+        _check_model_folder("worker.rollout.offpolicy_guidance.model_path", guidance.model_path)
+        check_same_tokenizer(actor_path, guidance.model_path)
+
+
 def prepare(config: PPOConfig) -> Prepared:
     """Checks and builds everything that needs no Ray: models on disk, data, reward functions."""
     from transformers import AutoTokenizer
 
     from verl.workers.reward.function import FunctionRewardManager
-    from verl.workers.rollout.vllm_rollout_spmd import check_same_tokenizer
 
     if config.trainer.nnodes > 1 and not os.environ.get("RAY_ADDRESS"):
         raise ConfigError(
@@ -64,13 +83,8 @@ def prepare(config: PPOConfig) -> Prepared:
             "(`ray start --head` here, `ray start --address=<head>:6379` on the other nodes) and "
             "set RAY_ADDRESS=<head>:6379"
         )
-    _build_embedded_if_needed(config)
+    check_models(config)
     actor_path = config.worker.actor.model.model_path
-    _check_model_folder("worker.actor.model.model_path", actor_path)
-    guidance = config.worker.rollout.offpolicy_guidance
-    if guidance.enable:
-        _check_model_folder("worker.rollout.offpolicy_guidance.model_path", guidance.model_path)
-        check_same_tokenizer(actor_path, guidance.model_path)
     tokenizer = AutoTokenizer.from_pretrained(
         config.worker.actor.model.tokenizer_path or actor_path
     )
@@ -179,7 +193,7 @@ def _plot(run_dir: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Parse, check (before Ray), run. Exit 2 on a bad configuration or input, with one line.
     `--dry-run`: load and validate the final config, print it as YAML, and stop (no models,
-    data or Ray are touched)."""
+    data or Ray are touched; hub ids are printed as given: `check_models` resolves them)."""
     args = sys.argv[1:] if argv is None else argv
     dry_run = "--dry-run" in args
     args = [a for a in args if a != "--dry-run"]

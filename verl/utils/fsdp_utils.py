@@ -115,13 +115,13 @@ def load_hf_model(
     attn_implementation: str = "auto",
     trust_remote_code: bool = False,
 ):
-    """`AutoModelForCausalLM.from_pretrained` from a local folder, with a clear error when absent."""
+    """`AutoModelForCausalLM.from_pretrained` from a local folder or a hub id
+    (`verl.utils.model_path.resolve_model_path`), with a one-line error when neither."""
     from transformers import AutoModelForCausalLM
 
-    if not model_path or not os.path.isdir(model_path):
-        raise FileNotFoundError(
-            f"model path {model_path!r} is not a local folder with a Hugging Face model"
-        )
+    from verl.utils.model_path import resolve_model_path
+
+    model_path = resolve_model_path(model_path, "model path")
     return AutoModelForCausalLM.from_pretrained(
         model_path,
         dtype=dtype,

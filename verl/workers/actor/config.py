@@ -16,9 +16,9 @@ class ModelConfig:
     """The Hugging Face causal LM the actor trains."""
 
     model_path: str | None = None
-    """Local folder of the model (config + weights)."""
+    """Local folder of the model (config + weights), or its hub id org/name[@revision]: resolved through the local Hugging Face cache, downloaded when missing and the hub is reachable."""
     tokenizer_path: str | None = None
-    """Local folder of the tokenizer (None: model_path)."""
+    """Local folder or hub id of the tokenizer (None: model_path)."""
     trust_remote_code: bool = False
     """Allow custom modelling code from the model folder."""
     attn_implementation: str = "auto"

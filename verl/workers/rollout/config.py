@@ -19,7 +19,7 @@ class OffPolicyGuidanceConfig:
     enable: bool = False
     """Turn guidance on. Off means vanilla GRPO rollout everywhere."""
     model_path: str | None = None
-    """Local path of the guidance model (must share the draft's tokenizer)."""
+    """Local folder or hub id (org/name[@revision], resolved through the local HF cache) of the guidance model; must share the draft's tokenizer."""
     tensor_parallel_size: int = 1
     """Tensor-parallel width of the guidance engine (1: one GPU per engine; wider is not supported yet)."""
     gpu_memory_utilization: float = 0.3
@@ -88,7 +88,7 @@ class OffPolicyGuidanceConfig:
             fail(
                 f"{prefix}.model_path",
                 self.model_path,
-                "guidance is enabled, so give the guidance model's local path",
+                "guidance is enabled, so give the guidance model's local folder or hub id",
             )
 
 
