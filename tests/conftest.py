@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -13,6 +15,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(no_cuda)
+
+
+@pytest.fixture(scope="session")
+def rollout_gpus():
+    """`rollout_gpus(replicas, services=0)`: the GPU keyword arguments of a test's `RolloutGroup`.
+    On CPU none. On a CUDA machine every engine (draft replicas and guidance services) gets an
+    equal share of the visible GPUs, at most one each: with Ray's default of no GPU, an actor
+    does not see the GPUs at all and vLLM's CUDA build cannot start there."""
+
+    def shares(replicas: int, services: int = 0) -> dict[str, float]:
+        if not torch.cuda.is_available():
+            return {}
+        per_gpu = math.ceil((replicas + services) / torch.cuda.device_count())
+        share = 1.0 / per_gpu  # engines that pack evenly, per_gpu of them on each GPU
+        return {"num_gpus": share, "guidance_gpus": share if services else 0.0}
+
+    return shares
 
 
 @pytest.fixture(scope="session")

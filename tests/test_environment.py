@@ -36,3 +36,17 @@ def test_stack_imports():
 
         assert vllm.__version__ == "0.32.0"
         assert torch.__version__.startswith("2.13.0")
+
+
+def test_rollout_gpu_shares_follow_the_machine(rollout_gpus, monkeypatch):
+    """Tests that start a `RolloutGroup` give its engines the GPUs when there are some (issue 27):
+    on CPU nothing; on one GPU 2 replicas + 2 guidance services get a quarter each; on 8 GPUs
+    one each; a lone replica on 1 GPU the whole GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert rollout_gpus(2, 2) == {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert rollout_gpus(2, 2) == {"num_gpus": 0.25, "guidance_gpus": 0.25}
+    assert rollout_gpus(1) == {"num_gpus": 1.0, "guidance_gpus": 0.0}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert rollout_gpus(2, 1) == {"num_gpus": 1.0, "guidance_gpus": 1.0}

@@ -710,17 +710,34 @@ def test_reward_function_default_follows_the_data(args, expected):
 
 def test_replica_counts_resolve_in_the_post_init_pass():
     """CPU: one draft replica and one guidance engine per draft replica; with dedicated guidance
-    GPUs, one engine per dedicated GPU (2 nodes x 1), never more than the draft replicas."""
-    auto = load_config([])
+    GPUs, one engine per dedicated GPU (2 nodes x 1), never more than the draft replicas.
+    (trainer.device=cpu: the same on a machine with GPUs.)"""
+    auto = load_config(["trainer.device=cpu"])
     assert (
         auto.worker.rollout.num_replicas == 1
         and auto.worker.rollout.offpolicy_guidance.num_replicas == 1
     )
-    dedicated = load_config(
-        ["trainer.nnodes=2", "worker.rollout.num_replicas=4", f"{GUIDANCE}.n_gpus_per_node=1"]
-    )
+    dedicated = load_config(["trainer.device=cpu", "trainer.nnodes=2",
+                             "worker.rollout.num_replicas=4", f"{GUIDANCE}.n_gpus_per_node=1"])  # fmt: skip
     assert dedicated.worker.rollout.offpolicy_guidance.num_replicas == 2
     capped = load_config(
-        ["trainer.nnodes=2", f"{GUIDANCE}.n_gpus_per_node=3"]
+        ["trainer.device=cpu", "trainer.nnodes=2", f"{GUIDANCE}.n_gpus_per_node=3"]
     )  # 6 GPUs, 1 draft replica
     assert capped.worker.rollout.offpolicy_guidance.num_replicas == 1
+
+
+def test_more_draft_replicas_than_gpus_are_refused_in_one_line():
+    """On GPUs a draft replica holds a GPU (tensor_parallel_size of them): more replicas than
+    that would wait forever for a placement. On CPU the replicas share the cores: any number."""
+    gpus = ["trainer.device=cuda", "trainer.nnodes=2", "trainer.n_gpus_per_node=2"]  # 4 GPUs
+    assert load_config([*gpus]).worker.rollout.num_replicas == 4  # auto: one per GPU
+    assert load_config([*gpus, "worker.rollout.num_replicas=4"]).worker.rollout.num_replicas == 4
+    with pytest.raises(ConfigError) as err:
+        load_config([*gpus, "worker.rollout.num_replicas=5"])
+    assert str(err.value) == (
+        "worker.rollout.num_replicas=5 is not valid; expected at most 4: trainer.nnodes x "
+        "trainer.n_gpus_per_node = 4 GPUs, one draft engine per GPU (more would wait forever for "
+        "a GPU placement)"
+    )
+    cpu = ["trainer.device=cpu", "trainer.n_gpus_per_node=2", "worker.rollout.num_replicas=5"]
+    assert load_config(cpu).worker.rollout.num_replicas == 5

@@ -134,6 +134,10 @@ GUIDED_KEYS = ["guidance/offpolicy_token_ratio", "guidance/is_weight_mean", "gui
 def test_two_step_run_trains_and_logs_finite_metrics(
     assets, ray_session, tmp_path, name, extra, keys
 ):
+    if name == "two_replicas" and torch.cuda.is_available():  # a draft replica holds a GPU
+        if torch.cuda.device_count() < 2:
+            pytest.skip("two draft replicas need two GPUs on a CUDA machine")
+        extra = {**extra, "trainer": {"n_gpus_per_node": 2}}
     run_dir = str(tmp_path / name)
     _, _, rows = train(assets, run_dir, **extra)
     assert_trained(assets, run_dir, rows)

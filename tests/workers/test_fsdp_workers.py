@@ -255,11 +255,12 @@ def test_nccl_path_log_probs_on_cuda(model_path, ray_cluster):
         data = make_batch()
         out = group.dispatch("compute_log_prob", data)
         mask = data.batch["response_mask"].bool()
-        torch.testing.assert_close(
-            out.batch["old_log_probs"][mask],
-            reference_log_probs(model_path, data)[mask],
-            rtol=0,
-            atol=1e-4,
-        )
+        # The GPU computes in bfloat16 (FSDP mixed precision, worker.actor.fsdp.mp_param_dtype):
+        # 8 significant bits, a relative rounding of 2^-9 = 2e-3 per operation, against a float32
+        # reference. The same model cast to bfloat16 on CPU, 3 seeds x 3 batches of log-probs
+        # near -4.8: largest error 5.3e-3, mean 1.9e-3. Bounds 4x and 2.5x above that (cuBLAS
+        # may reduce in lower precision); a wrong token or shift costs whole nats.
+        error = (out.batch["old_log_probs"] - reference_log_probs(model_path, data))[mask].abs()
+        assert error.max() < 2e-2 and error.mean() < 5e-3, (error.max(), error.mean())
     finally:
         group.shutdown()

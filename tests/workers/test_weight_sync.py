@@ -37,7 +37,7 @@ def test_bucket_plan_covers_the_state_dict_in_order_within_the_size(tmp_path):
     assert bucket_plan(model, 1) == [[n] for n in sizes]  # tiny buckets: one tensor each
 
 
-def test_streamed_sync_reaches_both_replicas_with_two_buckets_of_memory(tmp_path):
+def test_streamed_sync_reaches_both_replicas_with_two_buckets_of_memory(tmp_path, rollout_gpus):
     """An 83 MiB model in 8 MiB buckets from 2 FSDP ranks to 2 replicas, synced twice: the driver
     and each replica hold at most about two buckets more than before a sync (a replica maps each
     bucket from the object store and copies it only into its engine's weights), and both
@@ -58,7 +58,7 @@ def test_streamed_sync_reaches_both_replicas_with_two_buckets_of_memory(tmp_path
     try:
         actor = start_group(path, 2)  # lr 1e-3
         actor.execute_dp("update_actor", _update_data(actor, seed=3))
-        rollout = RolloutGroup(2, path, config)
+        rollout = RolloutGroup(2, path, config, **rollout_gpus(2))
         plan = actor.execute_all("weight_bucket_plan", BUCKET_MB)[0]
 
         def sync() -> tuple[PeakMemory, list[int]]:

@@ -283,6 +283,7 @@ class PPOConfig:
                  f"rollout_batch_size x worker.rollout.n = {responses} responses must split evenly over "
                  f"trainer.nnodes x trainer.n_gpus_per_node = {world} workers")  # fmt: skip
         self._validate_distill()
+        self._validate_replicas(world)
         guidance = self.worker.rollout.offpolicy_guidance
         dedicated = self.trainer.nnodes * guidance.n_gpus_per_node
         if dedicated and guidance.num_replicas is not None and guidance.num_replicas > dedicated:
@@ -295,6 +296,23 @@ class PPOConfig:
         ):
             fail("worker.actor.calculate_sum_pi_squared", False,
                  f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} needs Σπ²; set it to true")  # fmt: skip
+
+    def _validate_replicas(self, world: int) -> None:
+        """On GPUs each draft replica holds its own GPUs (tensor_parallel_size of them): more than
+        the cluster's would wait forever for a placement that can never be granted."""
+        rollout = self.worker.rollout
+        if not self.trainer.use_gpu or rollout.num_replicas is None:
+            return
+        most = world // rollout.tensor_parallel_size
+        if rollout.num_replicas > most:
+            width = (
+                f" / worker.rollout.tensor_parallel_size = {rollout.tensor_parallel_size}"
+                if rollout.tensor_parallel_size > 1
+                else ""
+            )
+            fail("worker.rollout.num_replicas", rollout.num_replicas,
+                 f"expected at most {most}: trainer.nnodes x trainer.n_gpus_per_node = {world} GPUs{width}, "
+                 "one draft engine per GPU (more would wait forever for a GPU placement)")  # fmt: skip
 
     def _validate_distill(self) -> None:
         """Distillation needs the guidance as teacher; no outcome advantage needs distillation."""

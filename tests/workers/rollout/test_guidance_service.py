@@ -42,7 +42,9 @@ def _killer(group: RolloutGroup, delay: float, times: int, killed: list[float]) 
     return thread
 
 
-def test_a_killed_guidance_service_is_restarted_once_then_given_up_on(tmp_path, capsys):
+def test_a_killed_guidance_service_is_restarted_once_then_given_up_on(
+    tmp_path, capsys, rollout_gpus
+):
     from transformers import AutoTokenizer
 
     draft = save_tiny_lm(str(tmp_path / "d"), TinyLMSpec(hidden_size=64, num_hidden_layers=1, vocab_size=VOCAB, seed=1))  # fmt: skip
@@ -56,7 +58,7 @@ def test_a_killed_guidance_service_is_restarted_once_then_given_up_on(tmp_path, 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     group = None
     try:
-        group = RolloutGroup(1, draft, config)
+        group = RolloutGroup(1, draft, config, **rollout_gpus(1, 1))
         group.generate_sequences(batch)  # (the first call also warms the engines up)
         t0 = time.perf_counter()
         clean = group.generate_sequences(batch)

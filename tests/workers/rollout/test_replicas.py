@@ -44,7 +44,7 @@ def test_merged_meta_sums_counts_and_recomputes_rates_by_hand():
 
 
 @pytest.mark.e2e
-def test_two_ray_replicas_give_the_tokens_of_one(tmp_path):
+def test_two_ray_replicas_give_the_tokens_of_one(tmp_path, rollout_gpus):
     """`RolloutGroup` with 1 draft replica + 1 guidance service, 2 + 2, and 2 drafts sharing 1
     guidance service: identical tokens and masks, log-probs equal to float rounding, in
     speculative mode and with the draft alone (guidance off for the call, as validation). Mix
@@ -80,7 +80,7 @@ def test_two_ray_replicas_give_the_tokens_of_one(tmp_path):
             config.offpolicy_guidance = dataclasses.replace(
                 config.offpolicy_guidance, num_replicas=services
             )
-            group = RolloutGroup(replicas, draft, config)
+            group = RolloutGroup(replicas, draft, config, **rollout_gpus(replicas, services))
             assert len(group.services) == services
             try:
                 for mode, meta in (("spec", {"lam": 0.5}), ("off", {"guidance": False})):
