@@ -101,3 +101,16 @@ def test_a_sync_that_skips_a_tensor_fails_the_next_step(assets, tmp_path):
     assert [r["step"] for r in rows] == [1]  # step 1 passed the same bound and was logged
     print(f"step 1: kl_v2 = {rows[0][M.MISMATCH_KL_V2]:.3g}; {message}")
     assert rows[0][M.MISMATCH_KL_V2] < 1e-6
+
+
+def test_the_command_line_reports_it_in_one_line(monkeypatch, capsys):
+    from verl.trainer import main as cli
+
+    def run(prepared):
+        check_mismatch_kl({M.MISMATCH_KL_V2: 0.3}, 0.05, step=2)
+
+    monkeypatch.setattr(cli, "prepare", lambda config: None)
+    monkeypatch.setattr(cli, "run", run)
+    assert cli.main([]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: step 2: mismatch/kl_v2 = 0.3 exceeds algorithm.max_mismatch_kl")

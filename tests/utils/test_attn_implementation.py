@@ -106,3 +106,16 @@ def test_explicit_flash_attention_that_cannot_import_fails_in_one_line(monkeypat
 def test_explicit_flash_attention_without_cuda_fails_in_one_line():
     with pytest.raises(ValueError, match=r"cannot be used: this process has no CUDA device; valid here: auto, sdpa, eager$"):  # fmt: skip
         resolve_attn_implementation("flash_attention_2", "cpu")
+
+
+def test_the_command_line_refuses_an_unusable_flash_attention_before_any_work(capsys):
+    from verl.trainer.main import main
+
+    assert (
+        main(["worker.actor.model.attn_implementation=flash_attention_2", "trainer.device=cpu"])
+        == 2
+    )
+    assert capsys.readouterr().err == (
+        "error: worker.actor.model.attn_implementation='flash_attention_2' cannot be used: this "
+        "process has no CUDA device; valid here: auto, sdpa, eager\n"
+    )

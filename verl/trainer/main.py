@@ -58,9 +58,13 @@ def check_models(config: PPOConfig) -> None:
     """Resolve every model path key to a local folder, in place (hub ids through the Hugging
     Face cache, downloaded when missing and the hub is reachable), then check the folders and
     that the guidance shares the draft's tokenizer. One-line errors; no model is loaded."""
+    from verl.utils.fsdp_utils import resolve_attn_implementation
     from verl.utils.model_path import resolve_config_model_paths
     from verl.workers.rollout.vllm_rollout_spmd import check_same_tokenizer
 
+    attn = config.worker.actor.model.attn_implementation
+    if attn == "flash_attention_2":  # one line here, not a traceback from every rank at load
+        resolve_attn_implementation(attn, "cuda" if config.trainer.use_gpu else "cpu")
     _build_embedded_if_needed(config)
     resolve_config_model_paths(config)
     actor_path = config.worker.actor.model.model_path
@@ -211,12 +215,13 @@ def main(argv: list[str] | None = None) -> int:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"error: {message}", file=sys.stderr)
         return 2
+    from verl.trainer.ray_trainer import StaleRolloutWeights
     from verl.workers.reward.function import RewardError
     from verl.workers.rollout.guidance_server import GuidanceLost
 
     try:
         run(prepared)
-    except (RewardError, GuidanceLost) as error:  # stopped cleanly (Ray shut down): one line
+    except (RewardError, GuidanceLost, StaleRolloutWeights) as error:  # stopped: one line
         print(f"error: {error}", file=sys.stderr)
         return 1
     except TrainingInterrupted as stop:
