@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env demo test test-unit test-vllm test-e2e lint format bench evidence clean
+.PHONY: env demo test test-unit test-vllm test-e2e gpu-check lint format bench evidence clean
 
 env:
 	@bash scripts/setup_env.sh
@@ -23,6 +23,13 @@ test-vllm: env
 
 test-e2e: env
 	$(PY) -m pytest -q -m e2e $(PYTEST_ARGS)
+
+# On a CUDA machine: the gpu test tier, a colocated 2-step guided run (MODEL_PATH, GUIDANCE_PATH)
+# and the rollout benchmark, in one report (outputs/gpu_check/report.md; verl/tools/gpu_check.py).
+gpu-check:
+	@nvidia-smi -L >/dev/null 2>&1 || { echo "gpu-check: no NVIDIA GPU here (nvidia-smi -L fails); run it on a machine with one" >&2; exit 1; }
+	@bash scripts/setup_env.sh
+	$(PY) -m verl.tools.gpu_check $(GPU_CHECK_ARGS)
 
 lint: env
 	$(PY) -m ruff check .
