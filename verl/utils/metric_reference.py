@@ -94,7 +94,8 @@ _DOCS = (
     MetricDoc(M.MISMATCH_KL_V1, _MM, "mean(log μ − log π_old) over draft-emitted, non-forced tokens with both log-probs known: vLLM's sampler vs the FSDP actor.",
               "|kl_v1| < 1e-3 in float32; ~1e-3–1e-2 in bf16."),
     MetricDoc(M.MISMATCH_KL_V2, _MM, "½·mean((log μ − log π_old)²) over the same tokens.",
-              "< 1e-3; a jump means the engines disagree (weights not synced, dtype, kernels)."),
+              "< 1e-3; a jump means the engines disagree (weights not synced, dtype, kernels); above "
+              "`algorithm.max_mismatch_kl` (0.05) the step fails."),
     MetricDoc(M.MISMATCH_KL_K3, _MM, "mean(r − 1 − log r), r = π_old/μ, over the same tokens (non-negative estimator).",
               "Like kl_v2."),
     MetricDoc(M.MISMATCH_FORCED_TOKEN_RATIO, _MM, "Share of draft tokens (log-probs known) sampled with log-prob above `mismatch_forced_threshold` (left out of the KLs).",
