@@ -113,7 +113,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.6
     """Share of GPU memory the draft engine may use."""
     tensor_parallel_size: int = 1
-    """Tensor-parallel width of the draft engine."""
+    """Tensor-parallel width of the draft engine (1 only: the weight sync and the sessions reach its model runner in-process)."""
     weight_sync_bucket_mb: float = 256.0
     """Weight sync streams the actor's weights to the replicas in buckets of at most this many MiB."""
     num_replicas: int | None = None
@@ -122,6 +122,8 @@ class RolloutConfig:
     """Disable CUDA graphs."""
     free_cache_engine: bool = True
     """CUDA: the draft engine (and its colocated guidance engine) sleeps between generations, KV cache freed and weights offloaded to CPU (vLLM sleep mode, level 1); no effect on CPU."""
+    sleep_level: int = 1
+    """vLLM sleep level of `free_cache_engine` (1 only: level 2 discards the weights, which then come back garbled after a sync)."""
     enable_prefix_caching: bool = True
     """Share KV cache across requests with a common prefix (speculative guidance: off, by design)."""
     enable_chunked_prefill: bool = False
@@ -154,7 +156,14 @@ class RolloutConfig:
         check_range(
             f"{prefix}.gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True
         )
-        check_range(f"{prefix}.tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.tensor_parallel_size != 1:
+            fail(f"{prefix}.tensor_parallel_size", self.tensor_parallel_size,
+                 "expected 1: vLLM runs a wider draft engine through its multiprocess/Ray executor, where the weight sync "
+                 "and the rewindable sessions cannot reach its model runner (more engines: worker.rollout.num_replicas)")  # fmt: skip
+        if self.sleep_level != 1:
+            fail(f"{prefix}.sleep_level", self.sleep_level,
+                 "expected 1: level 2 discards the weights, and rollouts after a weight sync come back garbled "
+                 "(vLLM #29341, verl #7904); level 1 offloads them to CPU")  # fmt: skip
         check_range(
             f"{prefix}.weight_sync_bucket_mb", self.weight_sync_bucket_mb, 0.0, low_open=True
         )
