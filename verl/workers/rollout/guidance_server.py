@@ -91,9 +91,11 @@ class GuidanceChannel:
 
 class GuidanceProcess(GuidanceChannel):
     """The guidance engine in a child process of this one, over a private socket pair (a
-    `VLLMRollout` used on its own, without Ray: tools and in-process tests)."""
+    `VLLMRollout` used on its own, without Ray: tools and in-process tests). The child starts at
+    once and imports vLLM; its engine is built on `start(llm_kwargs)` (at once when `llm_kwargs`
+    is given here), so a caller can build another engine on the same GPU first."""
 
-    def __init__(self, llm_kwargs: dict, env: dict[str, str] | None = None) -> None:
+    def __init__(self, llm_kwargs: dict | None = None, env: dict[str, str] | None = None) -> None:
         parent, child = socket.socketpair()
         root = str(Path(__file__).resolve().parents[3])
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
@@ -106,7 +108,12 @@ class GuidanceProcess(GuidanceChannel):
         child.close()
         super().__init__(Connection(parent.detach()), "guidance engine process")
         self._finalizer = weakref.finalize(self, _stop, self._proc, self._conn)
-        self.submit("init", llm_kwargs)  # answered with the engine's info once it is built
+        if llm_kwargs is not None:
+            self.start(llm_kwargs)
+
+    def start(self, llm_kwargs: dict) -> None:
+        """Have the child build its engine (answered with the engine's info, `wait_ready`)."""
+        self.submit("init", llm_kwargs)
 
     def wait_ready(self) -> dict:
         return self.result(timeout=START_TIMEOUT_S)
@@ -144,33 +151,51 @@ def _stop(proc: subprocess.Popen, conn: Connection) -> None:
 
 
 class _Server:
-    """Child side: one `vllm.LLM` with rewindable sessions (`vllm_sessions.SessionEngine`)."""
+    """Child side: one `vllm.LLM` with rewindable sessions (`vllm_sessions.SessionEngine`), built
+    by `vllm_engine.build_llm` (V1 runner, no async scheduling, explicit KV budget, checked)."""
 
     def __init__(self, llm_kwargs: dict) -> None:
-        from vllm import LLM
-
+        from verl.workers.rollout.vllm_engine import build_llm
         from verl.workers.rollout.vllm_logging import drop_harmless_vllm_records
         from verl.workers.rollout.vllm_sessions import SessionEngine
 
         drop_harmless_vllm_records()
-        self.llm = LLM(**llm_kwargs)
+        self.llm, self.facts = build_llm(llm_kwargs)
         self.asleep = False
         self.sessions = SessionEngine(self.llm) if not llm_kwargs["enable_prefix_caching"] else None
 
     def info(self) -> dict:
-        return {"vocab_size": self.llm.llm_engine.model_config.get_vocab_size()}
+        """The engine's vocabulary, model runner class, KV budget (bytes) and vocab rows."""
+        return {"vocab_size": self.llm.llm_engine.model_config.get_vocab_size(), **self.facts}
 
     def sleep(self) -> None:
-        """vLLM sleep mode, level 1 (KV cache freed, weights offloaded to CPU); idempotent."""
+        """vLLM sleep mode, level 1 (KV cache freed, weights offloaded to CPU; level 2 would
+        discard the weights), under the GPU's lock; idempotent."""
+        from verl.workers.rollout.vllm_engine import device_lock
+
         if not self.asleep:
-            self.llm.sleep(level=1)
+            with device_lock():
+                self.llm.sleep(level=1)
             self.asleep = True
 
     def wake_up(self) -> None:
-        """Every allocation resident again; idempotent."""
+        """Every allocation resident again, the weights before the KV cache, each under the
+        GPU's lock; idempotent."""
+        from verl.workers.rollout.vllm_engine import device_lock
+
         if self.asleep:
-            self.llm.wake_up()
+            for tag in ("weights", "kv_cache"):
+                with device_lock():
+                    self.llm.wake_up(tags=[tag])
+            if self.llm.llm_engine.is_sleeping():
+                raise RuntimeError(
+                    "the guidance engine still reports it is sleeping after waking every tag"
+                )
             self.asleep = False
+
+    def _awake(self, op: str) -> None:
+        if self.asleep:
+            raise RuntimeError(f"the guidance engine is asleep; wake_up before {op!r}")
 
     def threads(self, count: int) -> int:
         """CPU: compute with `count` threads from now on (torch._C's setter: vLLM replaces
@@ -193,6 +218,7 @@ class _Server:
         `processing` (temperature, top_k, top_p) in the engine, as vLLM's sampler processes a
         sampled row: prompt rows by the session patch (`PROCESS_KEY`), the row past the tokens by
         the sampler (the engine reports processed log-probs)."""
+        self._awake("score")
         from verl_patches.vllm_session_rewind import PROCESS_KEY
         from vllm import SamplingParams
 
@@ -219,6 +245,7 @@ class _Server:
 
     def generate(self, prompts: list[list[int]], params: list[dict]) -> list[tuple]:
         """Plain sampling: per prompt (token ids, log-prob of each sampled token)."""
+        self._awake("generate")
         from vllm import SamplingParams
 
         from verl.workers.rollout.vllm_sessions import sampled_log_probs
@@ -254,6 +281,8 @@ def answer_one(conn: Connection, handle) -> bool:
 
 def serve(fd: int) -> None:
     """The child's loop: build the engine on "init", answer requests until "shutdown" or EOF."""
+    import vllm  # noqa: F401  (imported while the parent builds its own engine)
+
     box: list[_Server] = []
 
     def handle(op: str, args: tuple):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from verl_patches import vllm_session_rewind
 
 from verl.protocol import DataProto
 from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR, guidance_tensors, lam_at_step
@@ -31,8 +32,13 @@ from verl.workers.rollout.speculative import (
     SpeculativeBatch,
     overlapped_generate,
 )
+from verl.workers.rollout.vllm_engine import ENGINE_KEY, build_llm, device_lock
 from verl.workers.rollout.vllm_logging import drop_harmless_vllm_records
 from verl.workers.rollout.vllm_sessions import SessionEngine, sampled_log_probs
+
+WAKE_ORDER = ("weights", "kv_cache")
+"""Sleep-mode memory in the order it wakes: a KV cache never wakes before its weights."""
+_KEY = "worker.rollout"
 
 
 def check_same_tokenizer(draft_path: str, guidance_path: str) -> None:
@@ -53,26 +59,29 @@ def check_same_tokenizer(draft_path: str, guidance_path: str) -> None:
         )
 
 
-def engine_memory_args(memory_share: float) -> dict:
-    """GPU: `gpu_memory_utilization`. CPU: an explicit KV-cache size (the share of system memory),
-    because vLLM's CPU worker otherwise charges the whole process (both engines) to each one."""
-    if torch.cuda.is_available():
-        return {"gpu_memory_utilization": memory_share}
-    import psutil
+def engine_memory_args(memory_share: float, key: str, vocab_rows: int | None = None) -> dict:
+    """An engine's memory share (`gpu_memory_utilization`) and its `ENGINE_KEY` entry: the config
+    key the share comes from and the ids it may give probability (`vocab_rows`, None: all).
+    `vllm_engine.build_llm` turns the share into an explicit KV budget in the process that builds
+    the engine (CPU: that share of system memory; CUDA: share x device memory - weights - reserve)."""
+    return {"gpu_memory_utilization": memory_share,
+            ENGINE_KEY: {"memory_key": key, "vocab_rows": vocab_rows}}  # fmt: skip
 
-    return {"kv_cache_memory_bytes": int(memory_share * psutil.virtual_memory().total)}
 
-
-def guidance_engine_args(config: RolloutConfig, num_logprobs: int, common: dict) -> dict:
+def guidance_engine_args(
+    config: RolloutConfig, num_logprobs: int, common: dict, vocab_rows: int | None = None
+) -> dict:
     """`vllm.LLM` arguments of the guidance engine: its own model, dtype, width, memory share and
-    `enforce_eager` (the rollout's when unset), plus the arguments both engines share."""
+    `enforce_eager` (the rollout's when unset), plus the arguments both engines share; with
+    `vocab_rows`, the ids past the draft's embedding rows get probability 0 in it."""
     guidance = config.offpolicy_guidance
     eager = config.enforce_eager if guidance.enforce_eager is None else guidance.enforce_eager
     return dict(model=guidance.model_path, dtype=guidance.dtype, tensor_parallel_size=guidance.tensor_parallel_size,
                 enforce_eager=eager, max_logprobs=num_logprobs,
                 # scoring rows are processed in the engine (the session patch), samples by vLLM's sampler
                 logprobs_mode="processed_logprobs",
-                **engine_memory_args(guidance.gpu_memory_utilization), **common)  # fmt: skip
+                **engine_memory_args(guidance.gpu_memory_utilization, f"{_KEY}.offpolicy_guidance.gpu_memory_utilization",
+                                     vocab_rows), **common)  # fmt: skip
 
 
 @dataclass
@@ -88,20 +97,27 @@ def sleeps(config: RolloutConfig) -> bool:
 
 def engine_args(model_path: str, config: RolloutConfig) -> tuple[dict, dict | None, int]:
     """`vllm.LLM` arguments of the draft engine and of the guidance engine (None without
-    guidance), and the number of log-probs a guidance row lists (K, capped by the vocabulary)."""
+    guidance), and the number of log-probs a guidance row lists (K, capped by the vocabulary).
+
+    Both engines run vLLM's V1 runner without async scheduling (`vllm_engine.build_llm`). With
+    guidance, the ids past either model's embedding rows get probability 0 in the engine that has
+    them (e.g. a 152,064-row guidance for a 151,936-row draft): neither engine ever samples,
+    scores or lists an id the other cannot embed."""
     from transformers import AutoConfig
 
     guidance = config.offpolicy_guidance
-    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    draft_rows = AutoConfig.from_pretrained(model_path).vocab_size
+    guide_rows = draft_rows
     if guidance.enable:
-        vocab = max(vocab, AutoConfig.from_pretrained(guidance.model_path).vocab_size)
+        guide_rows = AutoConfig.from_pretrained(guidance.model_path).vocab_size
+    vocab = min(draft_rows, guide_rows)  # the ids both engines embed
     max_len = config.prompt_length + config.response_length + 1  # scoring needs one output slot
     # speculative guidance runs rewindable sessions (patches/vllm_session_rewind.py), which keep
     # each sequence's KV cache themselves and must not share blocks through the prefix cache
     speculative = guidance.enable and guidance.mode == "speculative"
     common = dict(max_model_len=max_len, enable_prefix_caching=config.enable_prefix_caching and not speculative,
                   seed=config.seed, max_num_batched_tokens=max(config.max_num_batched_tokens, max_len),
-                  max_num_seqs=config.max_num_seqs)  # fmt: skip
+                  max_num_seqs=config.max_num_seqs, async_scheduling=False)  # fmt: skip
     if config.kv_block_size is not None:
         common["block_size"] = config.kv_block_size
     if sleeps(config):
@@ -109,8 +125,14 @@ def engine_args(model_path: str, config: RolloutConfig) -> tuple[dict, dict | No
     num_logprobs = min(guidance.logprobs, vocab) if guidance.enable else 1
     draft = dict(model=model_path, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
                  enforce_eager=config.enforce_eager, max_logprobs=max(num_logprobs, 1),
-                 logprobs_mode="processed_logprobs", **engine_memory_args(config.gpu_memory_utilization), **common)  # fmt: skip
-    teacher = guidance_engine_args(config, num_logprobs, common) if guidance.enable else None
+                 logprobs_mode="processed_logprobs", **common,
+                 **engine_memory_args(config.gpu_memory_utilization, f"{_KEY}.gpu_memory_utilization",
+                                      vocab if draft_rows > vocab else None))  # fmt: skip
+    teacher = None
+    if guidance.enable:
+        teacher = guidance_engine_args(
+            config, num_logprobs, common, vocab if guide_rows > vocab else None
+        )
     return draft, teacher, num_logprobs
 
 
@@ -133,19 +155,24 @@ class VLLMRollout:
         guidance = config.offpolicy_guidance
         if guidance.enable:
             check_same_tokenizer(model_path, guidance.model_path)
-        from vllm import LLM
-
         self.config, self.eos_token_id, self.pad_token_id = config, eos_token_id, pad_token_id
         self.speculative = guidance.enable and guidance.mode == "speculative"
         draft_args, guidance_args, self.num_logprobs = engine_args(model_path, config)
         engine = None
-        if guidance_args is not None and own_guidance:  # built while the draft is built here
-            engine = GuidanceProcess(env=split_cpu_threads(), llm_kwargs=guidance_args)
+        if guidance_args is not None and own_guidance:  # its process imports vLLM meanwhile
+            engine = GuidanceProcess(env=split_cpu_threads())
         elif guidance_args is not None:
             split_cpu_threads()  # this engine's share of the cores (the service has the rest)
-        draft = LLM(**draft_args)
-        if engine is not None:
-            engine.wait_ready()
+        try:  # one engine after the other: neither sizes memory while the other allocates
+            draft, self.draft_facts = build_llm(draft_args)
+            self.guidance_facts = None
+            if engine is not None:
+                engine.start(guidance_args)
+                self.guidance_facts = engine.wait_ready()
+        except BaseException:
+            if engine is not None:
+                engine.shutdown()
+            raise
         self.engines = _Engines(draft, engine)
         self.draft_sessions = SessionEngine(draft) if self.speculative else None
         self._call = 0
@@ -157,21 +184,42 @@ class VLLMRollout:
         in the guidance engine (which sleeps once every replica it serves sleeps)."""
         if not self.sleep_mode or not self._awake:
             return
-        self.engines.draft.sleep(level=1)
+        with device_lock():  # one sleep or wake at a time on this GPU (the guidance's included)
+            self.engines.draft.sleep(level=self.config.sleep_level)
         self._awake = set()
-        if self.engines.guidance is not None:
+        if self.engines.guidance is not None:  # after the draft's, under its own lock
             self.engines.guidance.call("sleep")
 
-    def wake_up(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+    def wake_up(self, tags: tuple[str, ...] = WAKE_ORDER) -> None:
         """Make the draft engine's `tags` memory resident again (weights before a weight sync,
-        everything before generating); the guidance wakes with the KV cache."""
-        missing = [t for t in tags if t not in self._awake]
-        if not missing:
-            return
-        self.engines.draft.wake_up(tags=missing)
-        self._awake.update(missing)
+        everything before generating), one tag at a time in `WAKE_ORDER` (a KV cache wakes its
+        weights first) under the GPU's lock; the guidance wakes after the draft's KV cache."""
+        unknown = set(tags) - set(WAKE_ORDER)
+        if unknown:
+            raise ValueError(
+                f"unknown sleep-mode tags {sorted(unknown)}; valid: {', '.join(WAKE_ORDER)}"
+            )
+        wanted = {"weights", *tags} if "kv_cache" in tags else set(tags)
+        missing = [t for t in WAKE_ORDER if t in wanted and t not in self._awake]
+        for tag in missing:
+            with device_lock():
+                self.engines.draft.wake_up(tags=[tag])
+            self._awake.add(tag)
         if "kv_cache" in missing and self.engines.guidance is not None:
             self.engines.guidance.call("wake_up")
+
+    def _check_awake(self) -> None:
+        """Refuse to generate unless the draft engine is fully awake, by this object's record and
+        by the engine's own state (after waking only the weights, vLLM #44395: an illegal memory
+        access on CUDA)."""
+        asleep = [t for t in WAKE_ORDER if t not in self._awake]
+        if not asleep and self.sleep_mode and self.engines.draft.llm_engine.is_sleeping():
+            asleep = ["(the engine reports it is sleeping)"]
+        if asleep:
+            raise RuntimeError(
+                f"the draft engine is not awake to generate: {', '.join(asleep)} still asleep; "
+                "wake_up() every tag (weights, then kv_cache) before generate_sequences"
+            )
 
     def connect_guidance(self, address: tuple, authkey: bytes, name: str) -> None:
         """Use the `GuidanceService` at `address` from now on (a restarted one included)."""
@@ -192,8 +240,7 @@ class VLLMRollout:
         """Load new actor weights into the draft engine (in-process path of DESIGN.md §6), from a
         state dict or a stream of (name, tensor) pairs consumed once, in order."""
         self.wake_up(("weights",))
-        engine = self.engines.draft.llm_engine.engine_core.engine_core
-        runner = engine.model_executor.driver_worker.worker.model_runner
+        runner = vllm_session_rewind.live_runner(self.engines.draft)
         runner.reload_weights(
             weights_iterator=iter(weights.items() if isinstance(weights, dict) else weights)
         )
@@ -252,6 +299,7 @@ class VLLMRollout:
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sample `n` responses per prompt; with guidance, speculative or mix mode. EasyR1 layout out."""
         self.wake_up()
+        self._check_awake()
         guidance = self.config.offpolicy_guidance
         meta = prompts.meta_info
         n = meta.get("n", self.config.n)

@@ -154,7 +154,9 @@ class RolloutGroup:
     on one replica) and comes back in its order; sequences are seeded by their row in the whole
     batch (`sequence_seeds`), so the tokens depend neither on the number of draft replicas nor on
     how many guidance services they share. A guidance service that dies fails the call with
-    `GuidanceLost`; the group then restarts the services and retries once before giving up."""
+    `GuidanceLost`; the group then restarts the services and retries once before giving up.
+    Engines that share a GPU start one after the other: colocated guidance services only once
+    every draft engine is built (dedicated ones while the drafts build)."""
 
     def __init__(self, num_replicas: int, model_path: str, config: RolloutConfig, num_cpus: float = 1,
                  num_gpus: float = 0, guidance_gpus: float = 0, placement: Placement | None = None,
@@ -170,9 +172,12 @@ class RolloutGroup:
             for j in range(num_replicas)
         ]  # fmt: skip
         self.queues = [Queue(QUEUE_DEPTH, actor_options={"num_cpus": 0}) for _ in self.replicas]
-        if guided:  # the guidance engines build while the draft engines do
+        dedicated = guidance_placement is not None
+        if guided and dedicated:  # on GPUs of their own: built while the draft engines are
             self._start_guidance()
         ray.get([r.__ray_ready__.remote() for r in self.replicas])
+        if guided and not dedicated:  # on the drafts' GPUs: once every draft engine is built
+            self._start_guidance()
         if guided:
             self._connect_guidance()
 

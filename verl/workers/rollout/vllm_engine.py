@@ -1,0 +1,168 @@
+"""Building the rollout's vLLM engines the same way on every platform, and checking what was built.
+
+vLLM 0.32 picks several things by platform that the rollout depends on (DESIGN.md §6): it builds
+Model Runner V2 wherever Triton is usable (the session patch changes the V1 runner), turns async
+scheduling on on CUDA (a rewound session could meet a stale queued step), and sizes a KV cache
+on CUDA from the device's free memory while it profiles (two engines starting at once on one GPU
+each count the other's allocations: vLLM issues #55827, #56830). `build_llm` makes each of these
+explicit: the V1 runner pinned (`VLLM_USE_V2_MODEL_RUNNER=0`), `async_scheduling=False` (set by
+`engine_args`), an explicit KV budget from the config (`kv_cache_bytes`), and then checks the
+live engine (`vllm_session_rewind.check_engine`), failing at start-up in one line. Callers start
+the engines of one GPU one after the other. `device_lock` serialises sleep/wake on one GPU across
+processes (vLLM #36753).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from verl.utils.config_checks import fail
+
+ENGINE_KEY = "verl_engine"
+"""A private entry of an engine's keyword arguments that `build_llm` takes out before vLLM sees
+them: {"memory_key": the config key of its memory share, "vocab_rows": ids it may give
+probability (None: all)}. It travels with the arguments to whichever process builds the engine."""
+
+GiB = 2**30
+ACTIVATION_RESERVE_BYTES = 1 * GiB
+"""CUDA: memory an engine needs besides its weights, its KV cache and the sampler's rows: the
+CUDA context's non-torch share, the forward's activations at `max_num_batched_tokens`, CUDA
+graphs and the prompt log-prob chunks (`PROMPT_LOGPROB_CHUNK_BYTES`, 256 MiB). An estimate."""
+
+SAMPLER_COPIES = 3
+"""fp32 (max_num_seqs, vocabulary) tensors the sampler holds at once (logits, log-probs, the
+processed copy): part of an engine's reserve besides its KV cache."""
+
+
+def pin_v1_model_runner() -> None:
+    """Make vLLM build its V1 model runner, which the session patch changes (vLLM 0.32 builds
+    Model Runner V2 wherever Triton is usable). Refuses, in one line, an environment that asks
+    for V2. Takes effect for engines built after it in this process (vLLM caches its environment
+    once an engine started; `vllm_session_rewind.check_engine` checks what was built)."""
+    value = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if value not in (None, "", "0"):
+        raise RuntimeError(
+            f"VLLM_USE_V2_MODEL_RUNNER={value!r} is not supported: the rollout's session patch "
+            "changes vLLM's V1 model runner; unset it or set it to 0"
+        )
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+def weight_bytes(model: str, dtype: str) -> int:
+    """Bytes of a model's parameters in `dtype` ("auto": the checkpoint's), counted on the meta
+    device from its config (nothing is loaded; tied weights count once)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model)
+    if dtype == "auto":
+        dtype = str(getattr(config, "torch_dtype", None) or "float32").removeprefix("torch.")
+    with torch.device("meta"):
+        module = AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in module.parameters())
+    return count * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def reserve_bytes(vocab: int, max_num_seqs: int) -> int:
+    """CUDA: an engine's memory besides weights and KV cache (`ACTIVATION_RESERVE_BYTES` plus the
+    sampler's fp32 rows of a full batch)."""
+    return ACTIVATION_RESERVE_BYTES + SAMPLER_COPIES * max_num_seqs * vocab * 4
+
+
+def kv_cache_bytes(share: float, total: int, weights: int, reserve: int, key: str) -> int:
+    """The KV budget of an engine allowed `share` of a device of `total` bytes: share x total
+    minus its weights and its reserve. A share that leaves nothing is refused in one line
+    naming `key` and the smallest share that works."""
+    budget = int(share * total) - weights - reserve
+    if budget <= 0:
+        need = (weights + reserve) / total
+        fail(key, share, f"{share} x {total / GiB:.1f} GiB leaves no KV cache after the weights "
+                         f"({weights / GiB:.2f} GiB) and the reserve ({reserve / GiB:.2f} GiB); "
+                         f"expected more than {need:.3f}")  # fmt: skip
+    return budget
+
+
+def memory_args(kwargs: dict, memory_key: str) -> dict:
+    """vLLM's memory arguments for an engine whose `gpu_memory_utilization` is its share, in the
+    process that builds it. An explicit `kv_cache_memory_bytes` is kept. CPU: that share of the
+    system memory as the KV cache (vLLM's CPU worker otherwise charges the whole process, both
+    engines, to each). CUDA: share x the device's memory minus the weights and the reserve
+    (`kv_cache_bytes`), so an engine never sizes its cache from what another one left free, with
+    `gpu_memory_utilization` kept (vLLM checks at start that this share is free)."""
+    share = kwargs.get("gpu_memory_utilization")
+    if kwargs.get("kv_cache_memory_bytes") is not None or share is None:
+        return {}
+    if not torch.cuda.is_available():
+        import psutil
+
+        return {"gpu_memory_utilization": None,
+                "kv_cache_memory_bytes": int(share * psutil.virtual_memory().total)}  # fmt: skip
+    from transformers import AutoConfig
+
+    total = torch.cuda.mem_get_info()[1]
+    weights = weight_bytes(kwargs["model"], kwargs.get("dtype", "auto"))
+    vocab = AutoConfig.from_pretrained(kwargs["model"]).vocab_size
+    reserve = reserve_bytes(vocab, kwargs.get("max_num_seqs") or 1024)
+    budget = kv_cache_bytes(share, total, weights, reserve, memory_key)
+    print(f"KV cache budget of {kwargs['model']}: {budget / GiB:.2f} GiB = {memory_key} {share} x "
+          f"{total / GiB:.1f} GiB - weights {weights / GiB:.2f} GiB - reserve {reserve / GiB:.2f} GiB",
+          flush=True)  # fmt: skip
+    return {"kv_cache_memory_bytes": budget}
+
+
+def build_llm(kwargs: dict):
+    """A `vllm.LLM` from `kwargs` (its `ENGINE_KEY` entry taken out): the V1 runner pinned, an
+    explicit KV budget (`memory_args`), the session patch applied and checked on the live engine
+    (`vllm_session_rewind.check_engine`), and the ids past `vocab_rows` restricted to
+    probability 0. Returns (llm, facts: runner class, KV budget in bytes, vocab rows)."""
+    from verl_patches import vllm_session_rewind
+
+    kwargs = dict(kwargs)
+    extra = kwargs.pop(ENGINE_KEY, None) or {}
+    kwargs.update(memory_args(kwargs, extra.get("memory_key", "gpu_memory_utilization")))
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    pin_v1_model_runner()
+    vllm_session_rewind.apply()
+    from vllm import LLM
+
+    llm = LLM(**kwargs)
+    runner = vllm_session_rewind.check_engine(llm)
+    rows = extra.get("vocab_rows")
+    if rows is not None:
+        vllm_session_rewind.restrict_vocab(llm, rows)
+    facts = {"runner": runner, "kv_cache_bytes": kwargs.get("kv_cache_memory_bytes"),
+             "vocab_rows": rows}  # fmt: skip
+    print(f"vLLM engine of {kwargs['model']} built: model runner class {runner}, KV cache "
+          f"{facts['kv_cache_bytes']} bytes, vocab rows {rows or 'all'}", flush=True)  # fmt: skip
+    return llm, facts
+
+
+def device_key() -> str | None:
+    """This process's GPU as the same name in every process that sees it (its UUID), or None
+    without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
+@contextmanager
+def device_lock(key: str | None = None) -> Iterator[None]:
+    """Hold this GPU's lock (an exclusive `flock` on a file named by `key`, default the device's
+    UUID) for a sleep or wake-up: engines on one GPU never sleep or wake at the same time, in
+    whichever processes they run (vLLM #36753). Nothing to hold without CUDA and no `key`."""
+    key = key if key is not None else device_key()
+    if key is None:
+        yield
+        return
+    path = os.path.join(tempfile.gettempdir(), f"verl-gpu-{key}.lock")
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
