@@ -9,7 +9,9 @@ in `RAY_ADDRESS`), the trainer runs, and plots are written.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 
 from verl.trainer.config import ConfigError, PPOConfig, load_config
@@ -199,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     `--dry-run`: load and validate the final config, print it as YAML, and stop (no models,
     data or Ray are touched; hub ids are printed as given: `check_models` resolves them)."""
     args = sys.argv[1:] if argv is None else argv
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C (SIGINT) stops a run even when it was started from a shell that ignores SIGINT
+        # for background jobs (`make test &`, `nohup ... &`): the child inherits SIG_IGN, and
+        # Python then installs no KeyboardInterrupt handler
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     dry_run = "--dry-run" in args
     args = [a for a in args if a != "--dry-run"]
     try:

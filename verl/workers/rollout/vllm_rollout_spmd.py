@@ -692,11 +692,9 @@ class _Counters:
         emitted = int(out.batch["response_mask"].sum())
         meta = {"lam": lam, "emitted_tokens": emitted, "guidance_tokens_computed": self.computed,
                 "guidance_tokens_submitted": self.submitted, "draft_lookups": self.lookups}  # fmt: skip
-        # TV(target, q_λ) per emitted token: 0 where the engines sampled q_λ itself
-        tv = [t for s in seqs for t in (s.target_tv or [0.0] * len(s.tokens))]
-        if tv:
-            meta["target_tv"] = float(np.mean(tv))
-        if stats is not None:
+        if stats is not None:  # speculative rounds ran: TV(target, q_λ) per emitted token
+            tv = [t for s in seqs for t in s.target_tv]
+            meta["target_tv"] = float(np.mean(tv)) if tv else 0.0
             meta.update(accept_rate=stats.accept_rate, rounds=stats.rounds, proposed_tokens=stats.proposed,
                         accepted_tokens=stats.accepted, bonus_tokens=stats.bonus,
                         guidance_tokens_per_emitted=self.computed / max(emitted, 1))  # fmt: skip
