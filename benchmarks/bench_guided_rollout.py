@@ -14,11 +14,25 @@ guidance only scores the draft's tokens) both ways: `overlap` (speculative round
 beside the drafting) and `prefill` (draft-only generation, then one guidance prefill of every
 whole sequence, what other distillation recipes do), same prompts and lengths.
 
+With --real the pair is the real one (`verl.utils.real_model.build_pair()`: SmolLM2-135M-Instruct
+as the guidance, the same model without 4 middle layers as the draft, a 49,152-token vocabulary,
+float32), the prompts are chat-template questions (`REAL_QUESTIONS`), and the defaults shrink to
+16 prompts x 32 new tokens, k = 4, 5 repeats. --logprobs takes a list (`full` = the vocabulary
+size): every K gets its own engine pair, timed in the same turns against one draft-only engine.
+Draft-only samples as a user would without guidance (1 log-prob per token, the rollout's own
+setting), whatever K is; guided, the draft reports K log-probs per position too (the rollout
+does). With several K values or --real, a top-K section adds, per K: draft lookups per emitted
+token (`draft_lookups`: rejected positions whose top-K set the draft's own top-K did not cover),
+the seconds and draft-engine steps inside those lookups (`time_draft_lookups`), `target_tv`,
+`topk_tail_mass`, and peak memory (this process's peak RSS during one call above its RSS before
+it, from /proc/self/clear_refs; each guidance process's peak RSS over the calls).
+
 Usage:
     python benchmarks/bench_guided_rollout.py
     python benchmarks/bench_guided_rollout.py --prompts 32 --response 32 --repeats 2
     python benchmarks/bench_guided_rollout.py --k 4 --bonus on,off   # with and without bonus tokens
     python benchmarks/bench_guided_rollout.py --k 4 --teacher on     # + teacher-only, both ways
+    python benchmarks/bench_guided_rollout.py --real --logprobs 20,256,full   # cost vs top-K
 """
 
 from __future__ import annotations
@@ -44,21 +58,95 @@ from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout, split_cpu_thread
 
 DEFAULT_THREADS = torch.get_num_threads()  # before any engine changes it
 EAGER_TAGS = {"on": "", "off": " compiled", "guidance": " compiled-guidance"}  # --eager values
+RUN_PEAK_KB = [0]  # this process's peak RSS over every timed call (warm-ups included), kB
+LOOKUP_S = [0.0]  # seconds inside the draft engine's lookups (`time_draft_lookups`), this call
+DRAFT_STEPS = {"all": 0, "lookup": 0, "in_lookup": 0, "lookup_steps": 0}  # draft engine, this call
+TINY_DEFAULTS = {"prompts": 64, "response": 64, "k": "4,6", "repeats": 15}
+REAL_DEFAULTS = {"prompts": 16, "response": 32, "k": "4", "repeats": 5}
+REAL_MEMORY_SHARE = 0.01
+"""--real: each engine's KV cache, as a share of system memory (16 x 80 tokens need ~60 MB)."""
+REAL_QUESTIONS = (
+    "What is 12 + 7?",
+    "Write one sentence about the sea.",
+    "Name three colors.",
+    "What is the capital of France?",
+    "Explain what a prime number is.",
+    "If I have 5 apples and eat 2, how many are left?",
+    "Give me a tip for sleeping better.",
+    "What does a cat eat?",
+    "Describe a sunny morning.",
+    "Why is the sky blue?",
+    "List two animals that live in the ocean.",
+    "What is the opposite of hot?",
+    "How many days are in a week?",
+    "Write a short greeting for a friend.",
+    "What is water made of?",
+    "Suggest a name for a small dog.",
+)
+"""User turns of the --real prompts (chat template, generation prompt), cycled past 16."""
+
+
+def parse_logprobs(text: str, vocab: int) -> list[int]:
+    """`--logprobs` values: comma-separated integers or `full` (the vocabulary size), in order;
+    a value above the vocabulary is the vocabulary (as the rollout caps it), duplicates are kept
+    once."""
+    values: list[int] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        value = vocab if part == "full" else min(int(part), vocab)
+        if value < 1:
+            raise ValueError(f"--logprobs {part}: expected a positive integer or full")
+        if value not in values:
+            values.append(value)
+    return values
+
+
+def logprobs_tag(k: int, vocab: int) -> str:
+    """How a top-K value is named in the output: `K=20`, or `K=V` (49152) at the vocabulary."""
+    return f"K=V ({vocab})" if k == vocab else f"K={k}"
+
+
+def peak_rss_reset(pid: int | str = "self") -> bool:
+    """Reset a process's peak RSS (VmHWM) to its current RSS; False where Linux refuses."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_kb(pid: int | str = "self") -> dict[str, int]:
+    """{"VmRSS": kB, "VmHWM": kB} of a process ({} where /proc cannot tell)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    return {line.split(":")[0]: int(line.split()[1]) for line in lines
+            if line.startswith(("VmRSS:", "VmHWM:"))}  # fmt: skip
 
 
 def rollout(
-    draft: str, guidance: str | None, args: argparse.Namespace, k: int, tok, eager: str = "on"
+    draft: str,
+    guidance: str | None,
+    args: argparse.Namespace,
+    k: int,
+    tok,
+    eager: str = "on",
+    logprobs: int = 20,
+    prompt_length: int | None = None,
 ) -> VLLMRollout:
-    cfg = RolloutConfig(n=1, dtype=args.dtype, enforce_eager=eager != "off", gpu_memory_utilization=0.03, seed=0,
-                        prompt_length=args.prompt_len + 2, response_length=args.response)  # fmt: skip
+    share = REAL_MEMORY_SHARE if args.real else 0.03
+    width = args.prompt_len + 2 if prompt_length is None else prompt_length
+    cfg = RolloutConfig(n=1, dtype=args.dtype, enforce_eager=eager != "off", gpu_memory_utilization=share, seed=0,
+                        prompt_length=width, response_length=args.response)  # fmt: skip
     g = cfg.offpolicy_guidance
     g.enable, g.model_path, g.dtype, g.gpu_memory_utilization = (
         bool(guidance),
         guidance,
         args.dtype,
-        0.03,
+        share,
     )
-    g.logprobs, g.num_speculative_tokens, g.lam = args.logprobs, k, 0.5
+    g.logprobs, g.num_speculative_tokens, g.lam = logprobs, k, 0.5
     g.enforce_eager = eager == "on"  # "guidance": an eager draft beside a compiled guidance
     return VLLMRollout(draft, cfg, tok.eos_token_id, tok.pad_token_id)
 
@@ -68,6 +156,49 @@ def prompts(tok, count: int, length: int, lam: float = 0.5) -> DataProto:
     ids = torch.randint(4, len(tok), (count, length), generator=gen)
     return DataProto.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids)},
                                meta_info={"ignore_eos": True, "lam": lam})  # fmt: skip
+
+
+def chat_prompts(tok, count: int, lam: float = 0.5) -> DataProto:
+    """`count` chat-template prompts (REAL_QUESTIONS, cycled), left-padded to one width."""
+    from verl.utils.real_model import chat_prompt_ids
+
+    ids = [chat_prompt_ids(tok, REAL_QUESTIONS[i % len(REAL_QUESTIONS)]) for i in range(count)]
+    width = max(map(len, ids))
+    input_ids = torch.tensor([[tok.pad_token_id] * (width - len(i)) + i for i in ids])
+    mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+    return DataProto.from_dict({"input_ids": input_ids, "attention_mask": mask},
+                               meta_info={"ignore_eos": True, "lam": lam})  # fmt: skip
+
+
+def time_draft_lookups() -> None:
+    """Count the seconds spent in `SessionEngine.lookup` (the draft engine's rows at guidance
+    tokens its own top-K did not list) into LOOKUP_S, and the draft engine's steps (all of them,
+    and those taken inside a lookup) into DRAFT_STEPS: wrappers, the methods themselves
+    unchanged. A step inside a lookup also advances the other groups' chunks, so the seconds
+    are an upper bound of what the lookups cost. Only the draft engine runs in this process."""
+    from verl.workers.rollout.vllm_sessions import SessionEngine
+
+    lookup, step = SessionEngine.lookup, SessionEngine.step
+    if getattr(lookup, "timed_by_bench", False):
+        return
+
+    def timed_lookup(self, requests):
+        start = time.perf_counter()
+        DRAFT_STEPS["in_lookup"] += 1
+        DRAFT_STEPS["lookup"] += bool(requests)
+        try:
+            return lookup(self, requests)
+        finally:
+            DRAFT_STEPS["in_lookup"] -= 1
+            LOOKUP_S[0] += time.perf_counter() - start
+
+    def counted_step(self):
+        DRAFT_STEPS["all"] += 1
+        DRAFT_STEPS["lookup_steps"] += DRAFT_STEPS["in_lookup"] > 0
+        return step(self)
+
+    timed_lookup.timed_by_bench = True
+    SessionEngine.lookup, SessionEngine.step = timed_lookup, counted_step
 
 
 def timed(
@@ -84,21 +215,39 @@ def timed(
         engine.config.offpolicy_guidance.pipeline_groups = groups
         engine.config.offpolicy_guidance.bonus_token = bonus
         engine.config.offpolicy_guidance.teacher_scoring = scoring
+    before = rss_kb()
+    reset = peak_rss_reset()
+    LOOKUP_S[0] = 0.0
+    DRAFT_STEPS.update(all=0, lookup=0, in_lookup=0, lookup_steps=0)
     start = time.perf_counter()
     out = engine.generate_sequences(batch)
-    return time.perf_counter() - start, out
+    seconds = time.perf_counter() - start
+    out.meta_info["draft_lookup_s"] = LOOKUP_S[0]
+    out.meta_info["draft_steps"] = dict(DRAFT_STEPS)
+    if reset and before:  # this process's peak during the call, above its RSS before it
+        peak = rss_kb()["VmHWM"]
+        out.meta_info["parent_peak_rss_growth_kb"] = peak - before["VmRSS"]
+        RUN_PEAK_KB[0] = max(RUN_PEAK_KB[0], peak)  # clear_refs reset VmHWM: keep the run's
+    return seconds, out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--response", type=int, default=64)
-    parser.add_argument("--k", default="4,6", help="num_speculative_tokens values, comma-separated")
-    parser.add_argument("--logprobs", type=int, default=20, help="top-K log-probs per position")
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--real", action="store_true",
+                        help="the real pair (SmolLM2-135M-Instruct and its 26-layer draft), chat prompts")  # fmt: skip
+    parser.add_argument("--prompts", type=int, default=None, help="64 (--real: 16)")
+    parser.add_argument(
+        "--prompt-len", type=int, default=16, help="tiny pair only (--real: chat prompts)"
+    )
+    parser.add_argument("--response", type=int, default=None, help="new tokens: 64 (--real: 32)")
+    parser.add_argument(
+        "--k", default=None, help="num_speculative_tokens values, comma-separated: 4,6 (--real: 4)"
+    )
+    parser.add_argument("--logprobs", default="20",
+                        help="top-K log-probs per position: comma-separated, `full` = the vocabulary size")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=None, help="15 (--real: 5)")
     parser.add_argument("--dtype", default="float32", help="both engines' dtype (e.g. bfloat16)")
     parser.add_argument("--groups", default=str(OffPolicyGuidanceConfig.pipeline_groups),
                         help="offpolicy_guidance.pipeline_groups values, comma-separated")  # fmt: skip
@@ -118,6 +267,9 @@ def main() -> None:
         "list; each setting is compared with draft-only on its own draft engine",
     )
     args = parser.parse_args()
+    for key, value in (REAL_DEFAULTS if args.real else TINY_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     bad = [e for e in args.eager.split(",") if e not in EAGER_TAGS]
     if bad:
         parser.error(f"--eager {bad[0]!r}: valid values are {', '.join(EAGER_TAGS)}")
@@ -141,39 +293,78 @@ def bootstrap_ratio(
 
 def measure(args: argparse.Namespace, root: str) -> None:
     """Time every setting in turns and print the figures and the summary."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    draft = save_tiny_lm(
-        f"{root}/draft", TinyLMSpec(hidden_size=128, num_hidden_layers=2, vocab_size=100, seed=1)
-    )
-    guide = save_tiny_lm(
-        f"{root}/guidance", TinyLMSpec(hidden_size=256, num_hidden_layers=2, vocab_size=100, seed=2)
-    )
+    if args.real:
+        from verl.utils.real_model import build_pair
+
+        pair = build_pair()
+        draft, guide = str(pair.draft), str(pair.guidance)
+    else:
+        draft = save_tiny_lm(
+            f"{root}/draft",
+            TinyLMSpec(hidden_size=128, num_hidden_layers=2, vocab_size=100, seed=1),
+        )
+        guide = save_tiny_lm(
+            f"{root}/guidance",
+            TinyLMSpec(hidden_size=256, num_hidden_layers=2, vocab_size=100, seed=2),
+        )
     tok = AutoTokenizer.from_pretrained(draft)
-    batch = prompts(tok, args.prompts, args.prompt_len)
-    teacher_batch = prompts(tok, args.prompts, args.prompt_len, lam=0.0)
+    vocab = AutoConfig.from_pretrained(draft).vocab_size
+    try:
+        top_ks = parse_logprobs(args.logprobs, vocab)
+    except ValueError as error:
+        sys.exit(str(error))
+    if args.real:
+        batch, teacher_batch = (
+            chat_prompts(tok, args.prompts),
+            chat_prompts(tok, args.prompts, lam=0.0),
+        )
+        width = batch.batch["input_ids"].shape[1]
+    else:
+        batch = prompts(tok, args.prompts, args.prompt_len)
+        teacher_batch = prompts(tok, args.prompts, args.prompt_len, lam=0.0)
+        width = None
     ks, groups = [int(k) for k in args.k.split(",")], [int(g) for g in args.groups.split(",")]
     bonus = [b == "on" for b in args.bonus.split(",")]
+    if args.real or len(top_ks) > 1:
+        time_draft_lookups()
     runs, baselines = (
         {},
         {},
     )  # name -> (engine, groups, bonus, scoring); guided name -> its draft-only
+    top_k_of: dict[str, int] = {}  # guided or teacher name -> its top-K
     for eager in args.eager.split(","):
         tag = EAGER_TAGS[eager]
         base = "draft-only" + ("" if eager == "guidance" else tag)  # the same draft engine
-        if base not in runs:
-            runs[base] = (rollout(draft, None, args, 1, tok, eager), 1, False, "")
-        for k in ks:  # one engine pair per k; groups and bonus are read at every call
-            engine = rollout(draft, guide, args, k, tok, eager)
+        if base not in runs:  # plain sampling (1 log-prob per token), whatever K is
+            runs[base] = (
+                rollout(draft, None, args, 1, tok, eager, prompt_length=width),
+                1,
+                False,
+                "",
+            )
+        for top_k, k in ((top_k, k) for top_k in top_ks for k in ks):
+            # one engine pair per (K, k); groups and bonus are read at every call
+            engine = rollout(draft, guide, args, k, tok, eager, top_k, width)
+            ktag = f" {logprobs_tag(top_k, vocab)}" if len(top_ks) > 1 else ""
             for g, b in ((g, b) for g in groups for b in bonus):
-                name = f"guided k={k} g={g}" + ("" if b else " no-bonus") + tag
-                runs[name], baselines[name] = (engine, g, b, ""), base
+                name = f"guided k={k} g={g}" + ("" if b else " no-bonus") + tag + ktag
+                runs[name], baselines[name], top_k_of[name] = (engine, g, b, ""), base, top_k
             if args.teacher == "on":  # λ = 0: the guidance only scores, both ways
                 for scoring in ("overlap", "prefill"):
-                    name = f"teacher {scoring} k={k}" + tag
+                    name = f"teacher {scoring} k={k}" + tag + ktag
                     runs[name], baselines[name] = (engine, groups[0], bonus[0], scoring), base
+                    top_k_of[name] = top_k
     times: dict[str, list[float]] = {name: [] for name in runs}
     meta = {}
+    peaks: dict[str, list[int]] = {name: [] for name in runs}  # this process's peak growth, kB
+    lookup_s: dict[str, list[float]] = {name: [] for name in runs}
+    startup_rss = rss_kb().get("VmRSS", 0)  # every engine built, nothing generated yet
+    for engine, *_ in runs.values():  # each guidance process's peak counts from here
+        proc = getattr(engine.engines.guidance, "_proc", None)
+        if proc is not None:
+            peak_rss_reset(proc.pid)
 
     def call(engine, g, b, scoring):
         return timed(engine, teacher_batch if scoring else batch, g, b, scoring or "overlap")
@@ -186,8 +377,16 @@ def measure(args: argparse.Namespace, root: str) -> None:
             seconds, out = call(*setting)
             times[name].append(seconds)
             meta[name] = out.meta_info
+            lookup_s[name].append(out.meta_info["draft_lookup_s"])
+            if "parent_peak_rss_growth_kb" in out.meta_info:
+                peaks[name].append(out.meta_info["parent_peak_rss_growth_kb"])
             assert int(out.batch["response_mask"].sum()) == args.prompts * args.response
-    print(f"torch {torch.__version__}, {args.prompts} prompts x {args.prompt_len} tokens, {args.response} new tokens, "
+    if args.real:
+        pair_name = (f"real pair (SmolLM2-135M-Instruct and its draft, {Path(draft).parent}; vocabulary {vocab}), "
+                     f"{args.prompts} chat prompts of up to {width} tokens")  # fmt: skip
+    else:
+        pair_name = f"{args.prompts} prompts x {args.prompt_len} tokens"
+    print(f"torch {torch.__version__}, {pair_name}, {args.response} new tokens, "
           f"top-{args.logprobs} log-probs, {args.dtype}, λ=0.5, {os.cpu_count()} cores; g = pipeline_groups")  # fmt: skip
     for name, t in times.items():
         m = meta[name]
@@ -196,7 +395,7 @@ def measure(args: argparse.Namespace, root: str) -> None:
             extra = (f"  guidance tokens/emitted {m['guidance_tokens_per_emitted']:.2f}  accept {m['accept_rate']:.2f}  "
                      f"rounds {m['rounds']}  bonus tokens {m['bonus_tokens']}")  # fmt: skip
         print(
-            f"{name:22s} median {statistics.median(t):7.2f} s  ({', '.join(f'{x:.2f}' for x in t)}){extra}"
+            f"{name:{max(22, *map(len, times))}s} median {statistics.median(t):7.2f} s  ({', '.join(f'{x:.2f}' for x in t)}){extra}"
         )
     print("\n=== summary (ratios from one run) ===")
     for name, base in baselines.items():
@@ -214,12 +413,49 @@ def measure(args: argparse.Namespace, root: str) -> None:
             f"median {mid:.2f}, quartiles {low:.2f}-{high:.2f}; fastest repeats {best:.2f}x); "
             f"{per_emitted:.2f} guidance tokens computed per emitted token (goal <= 2)"
         )
+    if args.real or len(top_ks) > 1:
+        top_k_section(runs, baselines, times, meta, peaks, lookup_s, top_k_of, vocab, startup_rss)
     for name in [n for n in times if n.startswith("teacher overlap")]:
         other = name.replace("overlap", "prefill")
         ratio = statistics.median(times[name]) / statistics.median(times[other])
         ci_low, ci_high, share = bootstrap_ratio(times[name], times[other], goal=1.0)
         print(f"{name} / {other}: wall time {ratio:.2f}x (95 % bootstrap interval {ci_low:.2f}-{ci_high:.2f}; "
               f"overlap faster in {share:.0%} of resamples)")  # fmt: skip
+
+
+def top_k_section(
+    runs, baselines, times, meta, peaks, lookup_s, top_k_of, vocab: int, startup_rss: int
+) -> None:
+    """Per guided setting: its top-K, the wall-time ratio, guidance tokens, acceptance, draft
+    lookups per emitted token, target_tv, tail mass and peak memory (see the module docstring)."""
+    print("\n=== cost vs top-K (guided / draft-only; draft-only samples with 1 log-prob) ===")
+    mb = 1024.0
+    for name, base in baselines.items():
+        if not name.startswith("guided"):
+            continue
+        m = meta[name]
+        emitted = max(m["emitted_tokens"], 1)
+        steps = m.get("draft_steps", {})
+        ratio = statistics.median(times[name]) / statistics.median(times[base])
+        proc = getattr(runs[name][0].engines.guidance, "_proc", None)
+        guidance_peak = rss_kb(proc.pid).get("VmHWM") if proc is not None else None
+        parent = f"{statistics.median(peaks[name]) / mb:.0f} MiB" if peaks[name] else "n/a"
+        print(f"{name}: {logprobs_tag(top_k_of[name], vocab)}  ratio {ratio:.2f}x "
+              f"(guided {statistics.median(times[name]):.2f} s / draft-only {statistics.median(times[base]):.2f} s)  "
+              f"guidance tokens/emitted {m.get('guidance_tokens_per_emitted', float('nan')):.2f}  "
+              f"accept {m.get('accept_rate', float('nan')):.3f}  "
+              f"draft lookups/emitted {m['draft_lookups'] / emitted:.3f} ({m['draft_lookups']}, "
+              f"{statistics.median(lookup_s[name]):.2f} s a call, median; {steps.get('lookup', 0)} lookup calls, "
+              f"{steps.get('lookup_steps', 0)} of {steps.get('all', 0)} draft-engine steps inside them)  "
+              f"target_tv {m.get('target_tv', float('nan')):.4g}  "
+              f"topk_tail_mass {m.get('topk_tail_mass', float('nan')):.4f}  "
+              f"peak RSS: this process +{parent} per call (median), guidance process "
+              f"{guidance_peak / mb if guidance_peak else float('nan'):.0f} MiB")  # fmt: skip
+    for base in sorted({b for n, b in baselines.items() if n.startswith("guided")}):
+        if peaks[base]:
+            print(f"{base}: peak RSS this process +{statistics.median(peaks[base]) / mb:.0f} MiB per call (median); "
+                  f"this process (all draft engines): {startup_rss / mb:.0f} MiB once the engines were built, "
+                  f"peak {RUN_PEAK_KB[0] / mb:.0f} MiB over the calls")  # fmt: skip
 
 
 if __name__ == "__main__":

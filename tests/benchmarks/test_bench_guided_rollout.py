@@ -1,0 +1,43 @@
+"""The guided-rollout benchmark's pure helpers: the --logprobs list and the peak-RSS readings."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location(
+    "bench_guided_rollout", ROOT / "benchmarks" / "bench_guided_rollout.py"
+)
+B = importlib.util.module_from_spec(spec)
+sys.modules["bench_guided_rollout"] = B
+spec.loader.exec_module(B)
+
+
+def test_logprobs_list_full_and_caps():
+    assert B.parse_logprobs("20", 100) == [20]
+    assert B.parse_logprobs("20,256,full", 49152) == [20, 256, 49152]
+    assert B.parse_logprobs(" 20 , FULL ", 49152) == [20, 49152]
+    # above the vocabulary is the vocabulary, as the rollout caps it; kept once
+    assert B.parse_logprobs("full,200,20", 100) == [100, 20]
+    for bad in ("0", "-3", "twenty"):
+        with pytest.raises(ValueError):
+            B.parse_logprobs(bad, 100)
+
+
+def test_logprobs_tag():
+    assert B.logprobs_tag(20, 49152) == "K=20"
+    assert B.logprobs_tag(49152, 49152) == "K=V (49152)"
+
+
+def test_peak_rss_readings():
+    now = B.rss_kb()
+    if not now:
+        pytest.skip("no /proc/self/status here")
+    assert now["VmHWM"] >= now["VmRSS"] > 0
+    if B.peak_rss_reset():
+        assert B.rss_kb()["VmHWM"] <= now["VmHWM"]
+    assert B.rss_kb(pid=2**31 - 1) == {} and B.peak_rss_reset(pid=2**31 - 1) is False
