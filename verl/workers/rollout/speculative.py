@@ -322,7 +322,7 @@ def verify_proposals(
     tokens = torch.where(torch.arange(k, device=device) < num_accepted.unsqueeze(-1), proposals, -1)
     offpolicy = torch.zeros(batch, k, dtype=torch.bool, device=device)
     log_p_emitted, log_t_emitted = log_p_x.clone(), log_t_x.clone()
-    tv = lam * (1.0 - log_mass.exp())
+    tv = lam * (1.0 - log_mass.exp()).clamp(min=0.0)  # Q_S sums to 1 + rounding at K = V
     rows = has_reject.nonzero().squeeze(-1)
     if rows.numel():
         pos = first_reject[rows]
@@ -407,7 +407,7 @@ def verify_listed(
     tokens = np.full((batch, k), -1, dtype=np.int64)
     tokens[at_seq, at_pos] = proposals[kept]
     for name, values in (("log_p", log_p_x), ("log_q", log_q_x), ("log_t", log_t_x),
-                         ("tv", lam * (1.0 - np.exp(log_mass)))):  # fmt: skip
+                         ("tv", lam * np.clip(1.0 - np.exp(log_mass), 0.0, None))):  # fmt: skip
         out[name][at_seq, at_pos] = values[kept]
     offpolicy = np.zeros((batch, k), dtype=bool)
     rows = np.flatnonzero(has_reject)
@@ -424,7 +424,7 @@ def verify_listed(
         tokens[rows, cols] = candidates[r, pick]
         out["log_p"][rows, cols], out["log_t"][rows, cols] = log_p_c[r, pick], log_t_c[r, pick]
         out["log_q"][rows, cols] = log_t_c[r, pick] + log_mass[at]
-        out["tv"][rows, cols] = lam * (1.0 - np.exp(log_mass[at]))
+        out["tv"][rows, cols] = lam * np.clip(1.0 - np.exp(log_mass[at]), 0.0, None)
         offpolicy[rows, cols] = True
     return VerifyResult(
         tokens=torch.from_numpy(tokens),
@@ -511,7 +511,7 @@ def draw_bonus(
     in_s = guidance.in_topk(tokens)
     log_q = guidance.lookup_one(tokens, unknown=np.nan)
     return {"tokens": tokens, "offpolicy": from_q, "log_p": log_p, "log_q": log_q,
-            "log_t": np.where(in_s, log_q - log_mass, NEG_INF), "tv": lam * (1.0 - np.exp(log_mass))}  # fmt: skip
+            "log_t": np.where(in_s, log_q - log_mass, NEG_INF), "tv": lam * np.clip(1.0 - np.exp(log_mass), 0.0, None)}  # fmt: skip
 
 
 def _inverse_cdf(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
