@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from verl.protocol import DataProto
+from verl.utils.real_model import CHAT_PROMPTS
 from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
 from verl.workers.rollout.config import OffPolicyGuidanceConfig, RolloutConfig
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout, split_cpu_threads
@@ -66,12 +67,7 @@ REAL_DEFAULTS = {"prompts": 16, "response": 32, "k": "4", "repeats": 5}
 REAL_MEMORY_SHARE = 0.01
 """--real: each engine's KV cache, as a share of system memory (16 x 80 tokens need ~60 MB)."""
 REAL_QUESTIONS = (
-    "What is 12 + 7?",
-    "Write one sentence about the sea.",
-    "Name three colors.",
-    "What is the capital of France?",
-    "Explain what a prime number is.",
-    "If I have 5 apples and eat 2, how many are left?",
+    *CHAT_PROMPTS,
     "Give me a tip for sleeping better.",
     "What does a cat eat?",
     "Describe a sunny morning.",

@@ -34,9 +34,7 @@ def test_logprobs_tag():
 
 
 def test_peak_rss_readings():
-    now = B.rss_kb()
-    if not now:
-        pytest.skip("no /proc/self/status here")
+    now = B.rss_kb()  # Linux, as on every machine the project runs on
     assert now["VmHWM"] >= now["VmRSS"] > 0
     if B.peak_rss_reset():
         assert B.rss_kb()["VmHWM"] <= now["VmHWM"]
