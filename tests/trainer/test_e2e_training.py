@@ -100,6 +100,19 @@ TRAIN_KEYS = ["actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response
               "timing_s/gen", "timing_s/update_actor", "perf/throughput", "mismatch/kl_v1"]  # fmt: skip
 DISTILL_KEYS = ["distill/reverse_kl", "distill/teacher_log_prob", "distill/missing_frac",
                 "distill/advantage_abs"]  # fmt: skip
+MENTOR_KEYS = ["guidance/lambda_mean", "guidance/entropy_threshold",
+               "guidance/subset_unguided_score", "guidance/guided_adv_weight"]  # fmt: skip
+
+
+def overlay(name: str, **extra) -> dict:
+    """configs/<name>.yaml as an override dict, merged with `extra` (the e2e run's sizes)."""
+    from omegaconf import OmegaConf
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    loaded = OmegaConf.load(os.path.join(root, "configs", f"{name}.yaml"))
+    return OmegaConf.to_container(OmegaConf.merge(loaded, OmegaConf.create(extra)))
+
+
 GUIDED_KEYS = ["guidance/offpolicy_token_ratio", "guidance/is_weight_mean", "guidance/is_clip_frac",
                "guidance/behavior_kl", "guidance/lambda"]  # fmt: skip
 
@@ -129,6 +142,11 @@ GUIDED_KEYS = ["guidance/offpolicy_token_ratio", "guidance/is_weight_mean", "gui
                                                 "distill": {"coef": 1.0, "mode": "loss", "topk_forward": True}},
                                   "worker": {"rollout": {"offpolicy_guidance": {"lam": 0.0}}}},
          [*DISTILL_KEYS[:3], "actor/distill_loss"]),
+        ("mentor", overlay("mentor", worker={"rollout": {"offpolicy_guidance": {"guided_samples": 2}}},
+                           algorithm={"guided_advantage_decay_steps": 2}), MENTOR_KEYS),
+        ("mentor_exact", overlay("mentor_exact", worker={"rollout": {"offpolicy_guidance": {"guided_samples": 2}}},
+                                 algorithm={"guided_advantage_decay_steps": 1}),
+         [*MENTOR_KEYS, "guidance/is_weight_mean"]),
     ],
 )  # fmt: skip
 def test_two_step_run_trains_and_logs_finite_metrics(
@@ -163,6 +181,8 @@ def test_two_step_run_trains_and_logs_finite_metrics(
         assert not any(
             "distill/advantage_abs" in r for r in steps
         )  # the outcome advantage is left alone
+    if name.startswith("mentor"):
+        check_mentor(name, steps)
     if name == "mix":  # one of the n=4 samples per prompt is the guidance's: 1/4 of the tokens
         assert all(r["guidance/offpolicy_seq_ratio"] == pytest.approx(0.25) for r in steps)
         # the guidance never scores the draft's responses: their tokens are missing, not p; the
@@ -254,3 +274,25 @@ def test_ctrl_c_ends_with_one_line_naming_the_step_and_the_checkpoint(assets, tm
     )
     step = int(last.split("; last complete checkpoint: ")[1].split("global_step_")[1].split()[0])
     assert (run_dir / f"global_step_{step}" / "actor").is_dir() and step >= 2
+
+
+def check_mentor(name: str, steps: list[dict]) -> None:
+    """MENTOR's recipe over 2 steps (n = 4, 2 guided): step 1 guides with the gate at the floor
+    τ = 1.5, its unguided responses' draft entropies set step 2's τ (P95, at least the floor);
+    `mentor` decays over 2 steps (weights 1, ½ = ½(1 + cos(π/2))), `mentor_exact` over 1 step, so
+    its step 2 is unguided (λ = 0, no guidance token) and its step 1 has importance weights."""
+    first, second = steps
+    assert (
+        first["guidance/entropy_threshold"] == 1.5 and second["guidance/entropy_threshold"] >= 1.5
+    )
+    assert first["guidance/lambda"] == 1.0 and 0 < first["guidance/lambda_mean"] < 1
+    for key in ("gate_mean", "gate_open_frac", "subset_guided_score", "draft_entropy_mean"):
+        assert f"guidance/{key}" in first, key
+    assert first["guidance/guided_adv_weight"] == 1.0
+    if name == "mentor":
+        assert second["guidance/guided_adv_weight"] == pytest.approx(0.5)
+        assert all("guidance/is_weight_mean" not in r for r in steps)  # tis_level none
+    else:
+        assert second["guidance/guided_adv_weight"] == 0.0
+        assert second["guidance/lambda"] == 0.0 and second["guidance/offpolicy_token_ratio"] == 0.0
+        assert second["guidance/lambda_mean"] == 0.0

@@ -19,7 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import StringNode
 
-from verl.trainer.core_algos.advantage import ADV_ESTIMATORS, needs_sum_pi_squared
+from verl.trainer.core_algos.advantage import (
+    ADV_ESTIMATORS,
+    GUIDED_ADVANTAGES,
+    needs_sum_pi_squared,
+)
 from verl.trainer.core_algos.distill import DISTILL_MODES
 from verl.trainer.core_algos.kl import KL_ESTIMATORS
 from verl.trainer.core_algos.offpolicy import RATIO_LEVELS
@@ -137,12 +141,18 @@ class AlgorithmConfig:
     """Tokens sampled with log-prob above this are 'forced' and left out of mismatch KLs."""
     max_mismatch_kl: float | None = 0.05
     """Fail the step when mismatch/kl_v2 exceeds this: stale or lost rollout weights (None: off)."""
+    guided_advantage: str = "standard"
+    """Advantages of guided responses (GUIDED_ADVANTAGES): standard (the estimator's, all alike) or mentor (unguided: GRPO among themselves; guided: max(r - unguided mean, 0) x a cosine-decayed weight)."""
+    guided_advantage_decay_steps: int = 120
+    """mentor: steps over which the guided responses' weight decays (cosine) to 0; from then on the rollout is unguided."""
     distill: DistillConfig = field(default_factory=DistillConfig)
     """On-policy distillation from the guidance model (README_guidance.md)."""
 
     def validate(self, prefix: str) -> None:
         """Fail fast on bad values."""
         check_choice(f"{prefix}.adv_estimator", self.adv_estimator, ADV_ESTIMATORS.names())
+        check_choice(f"{prefix}.guided_advantage", self.guided_advantage, GUIDED_ADVANTAGES.names())
+        check_range(f"{prefix}.guided_advantage_decay_steps", self.guided_advantage_decay_steps, 1)
         check_choice(f"{prefix}.kl_penalty", self.kl_penalty, KL_ESTIMATORS.names())
         check_choice(f"{prefix}.tis_level", self.tis_level, ["auto", "none", *RATIO_LEVELS.names()])
         check_choice(f"{prefix}.mis_level", self.mis_level, ["none", *RATIO_LEVELS.names()])
@@ -283,6 +293,7 @@ class PPOConfig:
                  f"rollout_batch_size x worker.rollout.n = {responses} responses must split evenly over "
                  f"trainer.nnodes x trainer.n_gpus_per_node = {world} workers")  # fmt: skip
         self._validate_distill()
+        self._validate_guided_advantage()
         self._validate_replicas(world)
         guidance = self.worker.rollout.offpolicy_guidance
         dedicated = self.trainer.nnodes * guidance.n_gpus_per_node
@@ -296,6 +307,28 @@ class PPOConfig:
         ):
             fail("worker.actor.calculate_sum_pi_squared", False,
                  f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} needs Σπ²; set it to true")  # fmt: skip
+
+    def _validate_guided_advantage(self) -> None:
+        """mentor compares each group's guided responses with its unguided ones: both must exist."""
+        if self.algorithm.guided_advantage == "standard":
+            return
+        key, rollout = "algorithm.guided_advantage", self.worker.rollout
+        guidance, name = rollout.offpolicy_guidance, self.algorithm.guided_advantage
+        if not guidance.enable or guidance.mode != "speculative":
+            fail(
+                key,
+                name,
+                "needs speculative guidance (worker.rollout.offpolicy_guidance.enable=true, mode=speculative)",
+            )
+        if guidance.guided_samples is None or not 0 < guidance.guided_samples < rollout.n:
+            fail(key, name, f"needs worker.rollout.offpolicy_guidance.guided_samples in 1..{rollout.n - 1} "
+                 f"(some guided and some unguided responses per prompt; got {guidance.guided_samples})")  # fmt: skip
+        if self.algorithm.adv_estimator != "grpo":
+            fail(
+                key,
+                name,
+                f"builds on GRPO; set algorithm.adv_estimator=grpo (got {self.algorithm.adv_estimator!r})",
+            )
 
     def _validate_replicas(self, world: int) -> None:
         """On GPUs each draft replica holds its own GPUs (tensor_parallel_size of them): more than

@@ -21,9 +21,20 @@ import torch
 
 from verl.protocol import DataProto
 from verl.trainer.config import PPOConfig, to_dict
-from verl.trainer.core_algos.advantage import get_adv_estimator_fn, is_grouped
+from verl.trainer.core_algos.advantage import (
+    GUIDED_ADVANTAGES,
+    get_adv_estimator_fn,
+    guided_advantage_weight,
+    is_grouped,
+)
 from verl.trainer.core_algos.distill import compute_distill_metrics, distill_advantages
-from verl.trainer.core_algos.guidance import compute_guidance_diagnostics, compute_guidance_metrics
+from verl.trainer.core_algos.guidance import (
+    compute_gate_metrics,
+    compute_guidance_diagnostics,
+    compute_guidance_metrics,
+    entropy_threshold,
+    unguided_entropies,
+)
 from verl.trainer.core_algos.kl import apply_kl_penalty, compute_mismatch_metrics
 from verl.trainer.core_algos.offpolicy import (
     compute_geometric_mask,
@@ -92,6 +103,8 @@ class RayPPOTrainer:
         self.placement: Placement | None = None  # FSDP ranks, draft replicas (+ guidance)
         self.guidance_placement: Placement | None = None  # dedicated guidance GPUs
         self.seen_indices: list[list[int]] = []  # dataset rows of each step (resume checks)
+        guidance = config.worker.rollout.offpolicy_guidance
+        self.entropy_tau = guidance.entropy_threshold  # τ of the entropy gate (the floor at first)
 
     # ------------------------------------------------------------------ workers
     def init_workers(self) -> None:
@@ -148,10 +161,14 @@ class RayPPOTrainer:
         batch.non_tensor_batch["uid"] = np.array(
             [f"{self.global_step}-{i}" for i in range(len(batch))], dtype=object
         )
-        batch.meta_info.update(global_step=self.global_step, total_steps=self.total_steps)
+        batch.meta_info.update(global_step=self.global_step, total_steps=self.total_steps,
+                               entropy_threshold=self.entropy_tau)  # fmt: skip
+        if self._guided_weight() == 0.0:  # mentor's guidance has faded out: the draft alone
+            batch.meta_info["lam"] = 0.0
         with timed("gen", metrics):
             out = self.rollout.generate_sequences(batch)
         meta = out.meta_info
+        self._gate_stats(out, meta.get("lam", 0.0), metrics)
         if "accept_rate" in meta:  # speculative rounds ran
             metrics[M.GUIDANCE_ACCEPT_RATE] = meta["accept_rate"]
             lookups = meta.get("draft_lookups", 0) / max(meta["emitted_tokens"], 1)
@@ -162,6 +179,30 @@ class RayPPOTrainer:
             metrics[M.GUIDANCE_TARGET_TV] = meta["target_tv"]
         out.meta_info = {"temperature": cfg.worker.rollout.temperature, "lam": meta.get("lam", 0.0)}
         return out
+
+    def _guided_weight(self) -> float | None:
+        """mentor: this step's weight of the guided responses' advantages (None: not mentor)."""
+        algo = self.config.algorithm
+        if algo.guided_advantage != "mentor":
+            return None
+        return guided_advantage_weight(self.global_step - 1, algo.guided_advantage_decay_steps)
+
+    def _gate_stats(self, out: DataProto, lam: float, metrics: dict) -> None:
+        """guidance/lambda_mean and the gate's metrics; τ of the next step's gate (a percentile of
+        this step's draft entropies on unguided responses, known before that rollout starts)."""
+        guidance, b = self.config.worker.rollout.offpolicy_guidance, out.batch
+        if "guidance_lam" not in b.keys():
+            return
+        gated = guidance.lam_gate != "none"
+        metrics.update(compute_gate_metrics(b["guidance_lam"], b["draft_entropy"], b["guided_responses"],
+                                            b["response_mask"], lam, self.entropy_tau if gated else None))  # fmt: skip
+        if gated and guidance.entropy_percentile is not None:
+            entropies = unguided_entropies(
+                b["draft_entropy"], b["guided_responses"], b["response_mask"]
+            )
+            if len(entropies):
+                self.entropy_tau = entropy_threshold(entropies, guidance.entropy_threshold,
+                                                     guidance.entropy_percentile)  # fmt: skip
 
     def _off_policy(self, batch: DataProto, metrics: dict) -> None:
         """Behavior log-probs, importance weights, rejection masks, guidance/* and mismatch/*."""
@@ -224,6 +265,18 @@ class RayPPOTrainer:
             sum_pi_squared=b.get("sum_pi_squared"), rollout_is_weights=b.get("importance_weights"),
             otb_epsilon=algo.otb_epsilon, otb_handle_zero_tail=algo.otb_handle_zero_tail,
         )  # fmt: skip
+        weight = self._guided_weight()
+        if weight is not None:  # mentor: guided responses only count where they beat the others
+            guided = b["guided_responses"]
+            advantages = GUIDED_ADVANTAGES.get(algo.guided_advantage)(
+                advantages=advantages, token_level_rewards=rewards, response_mask=b["response_mask"],
+                index=batch.non_tensor_batch["uid"], guided=guided, weight=weight,
+                epsilon=algo.adv_epsilon, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)  # fmt: skip
+            returns = advantages
+            metrics[M.GUIDANCE_GUIDED_ADV_WEIGHT] = weight
+            if guided.any():
+                metrics[M.GUIDANCE_GUIDED_ADV_MEAN] = advantages[guided][:, 0].mean().item()
+        self._subset_scores(batch, metrics)
         distill, term = algo.distill, None
         if distill.coef > 0:  # the guidance as teacher, after the outcome normalisation
             teacher, missing = b["guidance_log_probs"], b.get("guidance_missing_mask")
@@ -243,6 +296,20 @@ class RayPPOTrainer:
         if "sum_pi_squared" in b.keys():
             metrics.update(compute_variance_proxy_metrics(advantages, b["response_mask"], b["old_log_probs"],
                                                           b["sum_pi_squared"], b.get("importance_weights")))  # fmt: skip
+
+    def _subset_scores(self, batch: DataProto, metrics: dict) -> None:
+        """guidance/subset_*_score: mean reward of the guided subset and of the draft-only rest."""
+        b = batch.batch
+        if (
+            "guided_responses" not in b.keys()
+            or self.config.worker.rollout.offpolicy_guidance.guided_samples is None
+        ):
+            return
+        scores, guided = b["token_level_scores"].sum(-1), b["guided_responses"]
+        if guided.any():
+            metrics[M.GUIDANCE_SUBSET_GUIDED_SCORE] = scores[guided].mean().item()
+        if (~guided).any():
+            metrics[M.GUIDANCE_SUBSET_UNGUIDED_SCORE] = scores[~guided].mean().item()
 
     def train_step(self, batch: DataProto) -> dict[str, float]:
         """One step of DESIGN.md §2 on a batch of prompts; returns its metrics."""
@@ -303,8 +370,8 @@ class RayPPOTrainer:
         tmp = final + ".partial"
         shutil.rmtree(tmp, ignore_errors=True)
         self.actor_wg.execute_all("save_checkpoint", os.path.join(tmp, "actor"))
-        torch.save({"global_step": self.global_step, "dataloader": self.train_loader.state_dict()},
-                   os.path.join(tmp, "trainer_state.pt"))  # fmt: skip
+        torch.save({"global_step": self.global_step, "dataloader": self.train_loader.state_dict(),
+                    "entropy_tau": self.entropy_tau}, os.path.join(tmp, "trainer_state.pt"))  # fmt: skip
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         with open(os.path.join(self.run_dir, LATEST), "w") as f:
@@ -347,6 +414,7 @@ class RayPPOTrainer:
         self.actor_wg.execute_all("load_checkpoint", os.path.join(path, "actor"))
         state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
         self.global_step = state["global_step"]
+        self.entropy_tau = state.get("entropy_tau", self.entropy_tau)
         self.train_loader.load_state_dict(state["dataloader"])
         self._sync_weights()
         return True

@@ -74,12 +74,18 @@ def ambiguous(logits: torch.Tensor, k: int, settings: dict) -> torch.Tensor:
     return flags
 
 
-def reference(out, draft_hf, guide_hf, k: int, settings: dict) -> dict[str, torch.Tensor]:
+def reference(
+    out, draft_hf, guide_hf, k: int, settings: dict, lam_t: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Per emitted token (flat, in batch order): HF log p, log q, log μ of the target, the
-    target's TV from q_λ at its position, and whether rounding decides it (`ambiguous`)."""
+    target's TV from q_λ at its position, and whether rounding decides it (`ambiguous`); λ of
+    every token is LAM, or `lam_t` (flat, in the same order)."""
     b = out.batch
     values: dict[str, list] = {"p": [], "q": [], "mu": [], "tv": [], "ambiguous": []}
-    for i, n in enumerate(b["response_mask"].sum(-1).long().tolist()):
+    lengths = b["response_mask"].sum(-1).long().tolist()
+    lams = torch.full((sum(lengths),), LAM, dtype=torch.float64) if lam_t is None else lam_t
+    lams = lams.split(lengths)
+    for i, n in enumerate(lengths):
         ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
         toks = ids[0, -n:].unsqueeze(-1)
         with torch.no_grad():
@@ -91,11 +97,12 @@ def reference(out, draft_hf, guide_hf, k: int, settings: dict) -> dict[str, torc
         top = q.topk(min(k, q.shape[-1]), dim=-1).indices
         in_s = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, top, True)
         mass = (q * in_s).sum(-1, keepdim=True)
-        target = (1 - LAM) * p + LAM * q * in_s / mass
+        lam = lams[i].unsqueeze(-1).to(p.dtype)
+        target = (1 - lam) * p + lam * q * in_s / mass
         values["p"].append(p.gather(-1, toks).squeeze(-1))
         values["q"].append(q.gather(-1, toks).squeeze(-1))
         values["mu"].append(target.gather(-1, toks).squeeze(-1))
-        values["tv"].append(LAM * (1 - mass.squeeze(-1)))
+        values["tv"].append(lam.squeeze(-1) * (1 - mass.squeeze(-1)))
     return {key: torch.cat(v) for key, v in values.items()}
 
 
@@ -199,3 +206,47 @@ def test_real_full_vocabulary_k_runs_and_is_q_lambda(real_pair, real):
     assert out.meta_info["target_tv"] < 1e-5 and out.meta_info["draft_lookups"] == 0
     assert not out.batch["guidance_missing_mask"].any()
     assert math.isfinite(float(np.mean(ref["mu"].log().numpy())))
+
+
+def test_real_entropy_gate_and_guided_subset_are_exact(real_pair, real):
+    """MENTOR's selective guidance on the real pair (T = 1, K = 20, λ = 1, entropy gate τ = 2.5,
+    3 of each prompt's 6 responses guided): every token's λ_t is λ·min(1, H_K/τ) with H_K the
+    entropy of HF's draft top-20 (`listed_entropy`), 0 on the unguided responses; the behavior,
+    draft and guidance log-probs equal HF's with that λ_t; unguided responses hold no guidance
+    token; the gate lets the guidance in at some positions and keeps it out at others."""
+    from verl.workers.rollout.log_prob_tables import listed_entropy
+
+    tok, draft_hf, guide_hf = real
+    lam, tau, k = 1.0, 2.5, 20
+    rollout = real_rollout(real_pair, tok, logprobs=k, response_length=24)
+    guidance = rollout.config.offpolicy_guidance
+    guidance.lam_gate, guidance.entropy_threshold, guidance.guided_samples = "entropy", tau, 3
+    try:
+        batch = chat_batch(tok, 6, temperature=1.0)
+        batch.meta_info["lam"] = lam
+        out = rollout.generate_sequences(batch)
+    finally:
+        rollout.shutdown()
+    b = out.batch
+    valid = b["response_mask"].bool()
+    guided = b["guided_responses"]
+    assert (
+        guided.tolist()
+        == [True] * 3 + [False] * 3 + [True] * 3 + [False] * 3 + [True] * 3 + [False] * 3
+    )
+    assert not b["offpolicy_mask"][~guided].any() and b["offpolicy_mask"][guided].any()
+    lam_t, entropy = [], []
+    for i, n in enumerate(valid.sum(-1).tolist()):
+        ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
+        with torch.no_grad():
+            p = vllm_processed_probs(draft_hf(ids).logits[0, -n - 1 : -1])
+        h = torch.from_numpy(listed_entropy(p.topk(k, dim=-1).values.log().numpy()))
+        entropy.append(h)
+        lam_t.append(lam * float(guided[i]) * (h / tau).clamp(max=1.0))
+    lam_t, entropy = torch.cat(lam_t), torch.cat(entropy)
+    torch.testing.assert_close(b["draft_entropy"][valid].double(), entropy, rtol=0, atol=1e-4)
+    torch.testing.assert_close(b["guidance_lam"][valid].double(), lam_t, rtol=0, atol=1e-4)
+    gated = lam_t[lam_t > 0]
+    assert (gated < lam - 1e-6).any() and (gated == lam).any()  # the gate shuts and opens
+    ref = reference(out, draft_hf, guide_hf, k, {"temperature": 1.0}, lam_t)
+    check_exact(out, ref, tok)

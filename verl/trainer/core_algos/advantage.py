@@ -12,6 +12,7 @@ advantage is its raw return.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -258,3 +259,81 @@ def needs_sum_pi_squared(name: str) -> bool:
 def is_grouped(name: str) -> bool:
     """True for estimators whose baseline pools the samples of one uid group."""
     return ADV_ESTIMATORS.canonical(name) not in ("reinforce_plus_plus", "none")
+
+
+GuidedAdvantageFn = Callable[..., torch.Tensor]
+GUIDED_ADVANTAGES: Registry[GuidedAdvantageFn] = Registry("guided advantage")
+"""How guided responses (the guided subset of a speculative rollout) get their advantages."""
+
+
+@GUIDED_ADVANTAGES.register("standard")
+def standard_guided_advantage(advantages: torch.Tensor, **_: Any) -> torch.Tensor:
+    """A_i unchanged: guided and unguided responses share the estimator's advantages. (B, T)."""
+    return advantages
+
+
+def guided_advantage_weight(step: int, decay_steps: int) -> float:
+    """MENTOR's cosine decay of the guided responses' weight: w(s) = ½(1 + cos(π s / S)).
+
+    `step` s is the 0-based global step, `decay_steps` S; w = 1 at s = 0, ½ at s = S/2, and 0
+    for s outside [0, S) (from then on the rollout is unguided).
+    Paper: https://arxiv.org/abs/2510.04140 (MENTOR).
+    """
+    if not 0 <= step < decay_steps:
+        return 0.0
+    return 0.5 * (1.0 + math.cos(math.pi * step / decay_steps))
+
+
+@GUIDED_ADVANTAGES.register("mentor")
+def mentor_guided_advantage(
+    advantages: torch.Tensor,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    guided: torch.Tensor,
+    weight: float,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    **_: Any,
+) -> torch.Tensor:
+    """MENTOR: unguided A_i = (R_i - mean_u R) / (std_u R + ε); guided A_i = max(R_i - mean_u R, 0)·w.
+
+    mean_u and std_u (unbiased) pool only the *unguided* responses of each group, so the
+    unguided ones get GRPO among themselves and a guided response counts only where it beats
+    them, scaled by `weight` w (`guided_advantage_weight`) and never std-normalised. GRPO's
+    conventions hold on the unguided subset: without `norm_adv_by_std_in_grpo` there is no std
+    division, and a lone unguided response has no baseline (its raw return); guided responses
+    are always compared with the unguided mean, a lone unguided response's return included.
+    `advantages` (the estimator's output) is ignored. A group with guided but no unguided
+    responses raises ValueError. With no guided response this is exactly GRPO.
+    Shapes: rewards, mask (B, T); index, guided (B,); returns (B, T), zero on padding.
+    Paper: https://arxiv.org/abs/2510.04140 (MENTOR).
+    """
+    with torch.no_grad():
+        scores = (token_level_rewards * response_mask).sum(dim=-1)
+        is_guided = torch.as_tensor(guided, device=scores.device).reshape(-1).bool()
+        if is_guided.shape != scores.shape:
+            raise ValueError(
+                f"guided has {is_guided.numel()} entries for {scores.numel()} responses"
+            )
+        ids, num_groups = group_ids(index, scores.device)
+        unguided = (~is_guided).to(scores.dtype)
+        count = _group_sum(unguided, ids, num_groups)
+        orphans = int((count == 0).sum())  # every group has a member, so these are all guided
+        if orphans:
+            raise ValueError(
+                f"mentor guided advantage: {orphans} of {num_groups} group(s) hold guided responses "
+                "but no unguided one to compare them with"
+            )
+        mean = _group_sum(scores * unguided, ids, num_groups) / count.clamp(min=1)
+        sq_dev = _group_sum((scores - mean[ids]) ** 2 * unguided, ids, num_groups)
+        std = torch.sqrt(sq_dev / (count - 1).clamp(min=1))
+        single = count[ids] <= 1
+        centered = torch.where(single, scores, scores - mean[ids])
+        if norm_adv_by_std_in_grpo:
+            centered = torch.where(single, centered, centered / (std[ids] + epsilon))
+        beat = (scores - mean[ids]).clamp(
+            min=0
+        ) * weight  # guided: against the unguided mean, no std
+        adv = torch.where(is_guided, beat, centered)
+        return adv.unsqueeze(-1) * response_mask

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from verl.utils import metric_names as M
@@ -41,14 +42,22 @@ def mixture_log_probs(
     draft_log_probs: torch.Tensor,
     guidance_log_probs: torch.Tensor,
     offpolicy_mask: torch.Tensor,
-    lam: float,
+    lam: float | torch.Tensor,
 ) -> torch.Tensor:
     """log q_λ(x) = logsumexp(log(1-λ) + log p(x), log λ + log q(x)), for every token. (B, T).
 
     The exact behavior of speculative guidance whatever the provenance of x. λ = 0 gives log p,
-    λ = 1 gives log q. Paper: https://arxiv.org/abs/2211.17192 (speculative sampling: the accepted
+    λ = 1 gives log q; `lam` a float, or λ_t per token (B, T) (a gated or partly guided rollout). Paper: https://arxiv.org/abs/2211.17192 (speculative sampling: the accepted
     / residual construction emits the target mixture exactly).
     """
+    if isinstance(lam, torch.Tensor):  # per-token λ_t (an entropy gate, a guided subset)
+        if ((lam < 0.0) | (lam > 1.0)).any():
+            raise ValueError(f"lam must lie in [0, 1], got values in [{lam.min()}, {lam.max()}]")
+        lam = lam.to(torch.float64)
+        keep, mix = torch.log1p(-lam), torch.log(lam)  # -inf at λ = 1 and λ = 0
+        return torch.logaddexp(draft_log_probs + keep, guidance_log_probs + mix).to(
+            draft_log_probs.dtype
+        )
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"lam must lie in [0, 1], got {lam}")
     log_keep = math.log1p(-lam) if lam < 1.0 else -math.inf
@@ -180,6 +189,39 @@ def lam_at_step(
     return LAM_SCHEDULES.get(schedule)(lam, lam_end, progress)
 
 
+GateFn = Callable[[np.ndarray, float], np.ndarray]
+LAM_GATES: Registry[GateFn] = Registry("lam gate")
+
+
+@LAM_GATES.register("none")
+def gate_none(entropy: np.ndarray, tau: float) -> np.ndarray:
+    """g_t = 1: λ_t = λ at every position. entropy (N,) -> (N,)."""
+    return np.ones_like(entropy, dtype=np.float64)
+
+
+@LAM_GATES.register("entropy")
+def gate_entropy(entropy: np.ndarray, tau: float) -> np.ndarray:
+    """g_t = min(1, H_t/τ): the guidance steps in where the draft is uncertain. (N,) -> (N,).
+
+    λ_t = λ·g_t is a function of the draft's distribution at position t alone (never of the token
+    sampled there), so the speculative target stays known and μ exact.
+    Paper: https://arxiv.org/abs/2510.04140 (MENTOR: entropy-gated expert guidance).
+    """
+    if tau <= 0:
+        raise ValueError(f"entropy threshold τ must be > 0, got {tau}")
+    return np.clip(np.asarray(entropy, dtype=np.float64) / tau, 0.0, 1.0)
+
+
+def entropy_threshold(entropies: np.ndarray, floor: float, percentile: float | None) -> float:
+    """τ = max(the `percentile`-th percentile of `entropies` (N,), `floor`); `floor` when
+    `percentile` is None or there are no entropies (MENTOR: 95th percentile, floor 1.5)."""
+    if percentile is None or len(entropies) == 0:
+        return float(floor)
+    return max(
+        float(np.percentile(np.asarray(entropies, dtype=np.float64), percentile)), float(floor)
+    )
+
+
 def compute_guidance_metrics(
     offpolicy_mask: torch.Tensor,
     response_mask: torch.Tensor,
@@ -289,4 +331,44 @@ def compute_guidance_diagnostics(
     gap = _group_gap(scores, guided_seq & has_tokens, list(index))
     if gap is not None:
         metrics[M.GUIDANCE_GUIDED_SCORE_GAP] = gap
+    return metrics
+
+
+def unguided_entropies(
+    draft_entropy: torch.Tensor, guided: torch.Tensor, response_mask: torch.Tensor
+) -> np.ndarray:
+    """The draft's entropies (finite ones) at the response tokens of the unguided responses, or
+    of every response when all are guided: the sample `entropy_threshold`'s percentile reads
+    (MENTOR's choice). draft_entropy, response_mask (B, T); guided (B,) -> (N,)."""
+    valid = response_mask.bool() & draft_entropy.isfinite()
+    unguided = valid & ~guided.bool().unsqueeze(-1)
+    return draft_entropy[unguided if unguided.any() else valid].double().numpy()
+
+
+def compute_gate_metrics(
+    lam_tokens: torch.Tensor,
+    draft_entropy: torch.Tensor,
+    guided: torch.Tensor,
+    response_mask: torch.Tensor,
+    lam: float,
+    tau: float | None,
+) -> dict[str, float]:
+    """Per-position λ of a speculative rollout. lam_tokens, draft_entropy, response_mask (B, T);
+    guided (B,). lambda_mean = mean λ_t over response tokens; draft_entropy_mean = mean H_t over
+    those the rollout gave one; with a gate (`tau` not None): entropy_threshold = τ, and over the
+    guided responses' tokens gate_mean = mean λ_t / λ and gate_open_frac = share with H_t ≥ τ."""
+    valid = response_mask.bool()
+    metrics: dict[str, float] = {}
+    if valid.any():
+        metrics[M.GUIDANCE_LAMBDA_MEAN] = lam_tokens[valid].double().mean().item()
+    known = valid & draft_entropy.isfinite()
+    if known.any():
+        metrics[M.GUIDANCE_DRAFT_ENTROPY_MEAN] = draft_entropy[known].double().mean().item()
+    if tau is None:
+        return metrics
+    metrics[M.GUIDANCE_ENTROPY_THRESHOLD] = float(tau)
+    at = known & guided.bool().unsqueeze(-1)
+    if at.any() and lam > 0:
+        metrics[M.GUIDANCE_GATE_MEAN] = (lam_tokens[at].double().mean() / lam).item()
+        metrics[M.GUIDANCE_GATE_OPEN_FRAC] = (draft_entropy[at] >= tau).double().mean().item()
     return metrics

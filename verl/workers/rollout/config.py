@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl.trainer.core_algos.guidance import BEHAVIORS, GUIDANCE_MODES, LAM_SCHEDULES
+from verl.trainer.core_algos.guidance import BEHAVIORS, GUIDANCE_MODES, LAM_GATES, LAM_SCHEDULES
 from verl.utils.config_checks import check_choice, check_range, fail
 
 TEACHER_SCORING = ("overlap", "prefill")
@@ -46,6 +46,14 @@ class OffPolicyGuidanceConfig:
     """λ at the end of the schedule (ignored by `constant`)."""
     lam_schedule_steps: int | None = None
     """Steps over which λ moves from `lam` to `lam_end` (None: the whole run)."""
+    lam_gate: str = "none"
+    """Speculative mode: per-position λ_t = λ·gate(H_t), H_t the draft's entropy where it proposes (LAM_GATES; entropy: min(1, H_t/τ), MENTOR)."""
+    entropy_threshold: float = 1.5
+    """τ of the entropy gate, or its floor when `entropy_percentile` is set."""
+    entropy_percentile: float | None = None
+    """Entropy gate: τ = max(this percentile of the previous step's draft entropies on unguided responses, `entropy_threshold`) (None: τ fixed; MENTOR: 95)."""
+    guided_samples: int | None = None
+    """Speculative mode: the first m of each prompt's n responses are guided, the rest draft-only in the same rollout (None: all n)."""
     num_speculative_tokens: int = 4
     """Draft tokens proposed per round before the guidance scores them."""
     bonus_token: bool = True
@@ -82,6 +90,18 @@ class OffPolicyGuidanceConfig:
         check_range(f"{prefix}.num_speculative_tokens", self.num_speculative_tokens, 1)
         check_range(f"{prefix}.pipeline_groups", self.pipeline_groups, 1)
         check_range(f"{prefix}.mix_num_samples", self.mix_num_samples, 0, rollout_n)
+        check_choice(f"{prefix}.lam_gate", self.lam_gate, LAM_GATES.names())
+        check_range(f"{prefix}.entropy_threshold", self.entropy_threshold, 0.0, low_open=True)
+        if self.entropy_percentile is not None:
+            check_range(f"{prefix}.entropy_percentile", self.entropy_percentile, 0.0, 100.0)
+        if self.guided_samples is not None:
+            check_range(f"{prefix}.guided_samples", self.guided_samples, 0, rollout_n)
+            if self.mode != "speculative":
+                fail(f"{prefix}.guided_samples", self.guided_samples,
+                     f"applies to mode=speculative only (mode={self.mode!r}: use mix_num_samples); set it to null")  # fmt: skip
+        if self.lam_gate != "none" and self.mode != "speculative":
+            fail(f"{prefix}.lam_gate", self.lam_gate,
+                 f"applies to mode=speculative only (mode={self.mode!r}); set it to none")  # fmt: skip
         if self.lam_schedule_steps is not None:
             check_range(f"{prefix}.lam_schedule_steps", self.lam_schedule_steps, 1)
         if self.enable and not self.model_path:

@@ -102,6 +102,20 @@ class TopK:
         return (1.0 - self.log_probs.exp().sum(-1)).clamp(min=0.0)
 
 
+def listed_entropy(log_probs: np.ndarray | torch.Tensor) -> np.ndarray:
+    """H_K = -Σ_listed p log p - R log R, R = 1 - Σ_listed p (the unlisted tail counted as one
+    atom), over the last axis of `log_probs` (..., K) -> (...). A lower bound of the entropy of
+    the full distribution, by at most R·log(V - K); exact when the list holds every token of
+    nonzero probability (K = V, or a top-k/top-p cut inside the list)."""
+    values = np.asarray(log_probs, dtype=np.float64)
+    probs = np.exp(values)
+    with np.errstate(invalid="ignore"):  # p = 0: p log p = 0
+        listed = -np.where(probs > 0, probs * values, 0.0).sum(-1)
+    tail = np.clip(1.0 - probs.sum(-1), 0.0, None)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return listed - np.where(tail > 0, tail * np.log(tail), 0.0)
+
+
 def as_topk(tables: torch.Tensor | TopK) -> TopK:
     """Accept a dense (B, k, V) table or a `TopK`."""
     return tables if isinstance(tables, TopK) else TopK.dense(tables)
@@ -146,6 +160,11 @@ class ListedRows:
     def tail_mass(self) -> np.ndarray:
         """(N,) probability mass outside the top-K columns: 1 - Q, >= 0."""
         return np.clip(1.0 - self.topk_mass(), 0.0, None)
+
+    def entropy(self) -> np.ndarray:
+        """(N,) the row's entropy from its top-K columns (`listed_entropy`; column 0, the row's
+        own token, left out: the value does not depend on which token was sampled there)."""
+        return listed_entropy(self.topk()[1])
 
     def lookup(self, tokens: np.ndarray) -> np.ndarray:
         """Log-probs of `tokens` (N, M) in each row: (N, M), -inf where a token is not listed.

@@ -35,6 +35,7 @@ from verl.workers.rollout.log_prob_tables import (  # noqa: F401  (process_log_p
     ListedRows,
     TopK,
     as_topk,
+    listed_entropy,
     process_log_probs,
 )
 
@@ -69,6 +70,8 @@ class VerifyResult:
     target_tv: torch.Tensor | None = None
     """(B, k) TV(target, q_λ) = λ·(1 - Q_S) at each emitted token's position (0 where S holds
     all of q's mass)."""
+    lam: torch.Tensor | None = None
+    """(B, k) λ_t of each emitted token's position (the round's λ, or its per-position values)."""
 
 
 def verify_proposals(
@@ -76,13 +79,15 @@ def verify_proposals(
     num_proposed: torch.Tensor,
     draft_log_probs: torch.Tensor | TopK,
     guidance_log_probs: torch.Tensor | TopK,
-    lam: float,
+    lam: float | torch.Tensor,
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Accept / reject a batch of proposals so the emitted tokens follow t = (1-λ)p + λq̃, q̃ = q
     renormalised over the guidance's listed set (q itself for a dense table: t = q_λ); the
     torch reference of `verify_listed` (same decisions and tokens for the same uniforms).
+    `lam` a float, or λ_t per position (B, k) (the residual max(0, t - p) ∝ max(0, q̃ - p) does
+    not depend on λ_t > 0, so only the acceptance test and the TV change).
 
     Shapes: proposals (B, k) long, num_proposed (B,); the processed draft / guidance log-probs at
     each proposal position as dense (B, k, V) tables or `TopK` lists (B, k, K). A guidance list
@@ -97,6 +102,7 @@ def verify_proposals(
     p, q = as_topk(draft_log_probs), as_topk(guidance_log_probs)
     batch, k = proposals.shape
     device = proposals.device
+    lam = torch.as_tensor(lam, dtype=p.log_probs.dtype, device=device).expand(batch, k)
     log_p_x = p.lookup(proposals.unsqueeze(-1)).squeeze(-1)
     log_q_x = q.lookup(proposals.unsqueeze(-1)).squeeze(-1)
     log_mass = torch.logsumexp(q.log_probs, dim=-1)  # log Q_S (B, k)
@@ -147,6 +153,7 @@ def verify_proposals(
         guidance_log_probs=torch.where(valid, log_t_emitted + log_mass, 0.0),
         target_log_probs=torch.where(valid, log_t_emitted, 0.0),
         target_tv=torch.where(valid, tv, 0.0),
+        lam=torch.where(valid, lam, 0.0),
     )
 
 
@@ -154,7 +161,7 @@ def verify_listed(
     num_proposed: torch.Tensor,
     draft: ListedRows,
     guidance: ListedRows,
-    lam: float,
+    lam: float | np.ndarray,
     uniforms: torch.Tensor,
     probe: DraftProbe | None = None,
 ) -> VerifyResult:
@@ -168,7 +175,9 @@ def verify_listed(
     top-k/top-p cut inside the list) and TV(t, q_λ) = λ·(1 - Q_S) otherwise (`target_tv`).
     At a rejected position p is needed on all of S: read from the draft's row where it lists
     them (or its whole support), else from `probe` (the draft engine's lookup); without a probe
-    an unknown p raises. Every per-row operation is O(K) memory.
+    an unknown p raises. Every per-row operation is O(K) memory. `lam`: a float, or λ_t per
+    flat row (N,) (a function of what is known at that position before its token is drawn, e.g.
+    the draft's row: the target stays known; the residual does not depend on λ_t > 0).
     num_proposed (B,), uniforms (B, k+1) (column i tests proposal i, the last draws the
     residual); returns a `VerifyResult` with (B, k) tensors, k = uniforms.shape[1] - 1.
     Paper: https://arxiv.org/abs/2211.17192 (speculative sampling, exact for any target).
@@ -183,6 +192,7 @@ def verify_listed(
     seq = np.repeat(np.arange(batch), num)
     starts = np.cumsum(num) - num
     pos = np.arange(len(seq)) - starts[seq]
+    lam = np.broadcast_to(np.asarray(lam, dtype=np.float64), seq.shape)
     log_mass = np.log(guidance.topk_mass())  # log Q_S per row
     log_p_x = draft.log_probs[:, 0].astype(np.float64)
     log_q_x = guidance.log_probs[:, 0].astype(np.float64)
@@ -196,11 +206,17 @@ def verify_listed(
     num_accepted = np.where(has_reject, first, num)
     kept = np.flatnonzero(pos < num_accepted[seq])
     at_seq, at_pos = seq[kept], pos[kept]
-    out = {name: np.zeros((batch, k)) for name in ("log_p", "log_q", "log_t", "tv")}
+    out = {name: np.zeros((batch, k)) for name in ("log_p", "log_q", "log_t", "tv", "lam")}
     tokens = np.full((batch, k), -1, dtype=np.int64)
     tokens[at_seq, at_pos] = proposals[kept]
-    for name, values in (("log_p", log_p_x), ("log_q", log_q_x), ("log_t", log_t_x),
-                         ("tv", lam * np.clip(1.0 - np.exp(log_mass), 0.0, None))):  # fmt: skip
+    tv = lam * np.clip(1.0 - np.exp(log_mass), 0.0, None)
+    for name, values in (
+        ("log_p", log_p_x),
+        ("log_q", log_q_x),
+        ("log_t", log_t_x),
+        ("tv", tv),
+        ("lam", lam),
+    ):
         out[name][at_seq, at_pos] = values[kept]
     offpolicy = np.zeros((batch, k), dtype=bool)
     rows = np.flatnonzero(has_reject)
@@ -217,7 +233,7 @@ def verify_listed(
         tokens[rows, cols] = candidates[r, pick]
         out["log_p"][rows, cols], out["log_t"][rows, cols] = log_p_c[r, pick], log_t_c[r, pick]
         out["log_q"][rows, cols] = log_t_c[r, pick] + log_mass[at]
-        out["tv"][rows, cols] = lam * np.clip(1.0 - np.exp(log_mass[at]), 0.0, None)
+        out["tv"][rows, cols], out["lam"][rows, cols] = tv[at], lam[at]
         offpolicy[rows, cols] = True
     return VerifyResult(
         tokens=torch.from_numpy(tokens),
@@ -228,6 +244,7 @@ def verify_listed(
         guidance_log_probs=torch.from_numpy(out["log_q"]),
         target_log_probs=torch.from_numpy(out["log_t"]),
         target_tv=torch.from_numpy(out["tv"]),
+        lam=torch.from_numpy(out["lam"]),
     )
 
 
@@ -268,7 +285,7 @@ class BonusRows:
 def draw_bonus(
     draft: ListedRows,
     guidance: ListedRows,
-    lam: float,
+    lam: float | np.ndarray,
     uniforms: np.ndarray,
     probe: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
@@ -277,8 +294,8 @@ def draw_bonus(
     listed order with u/λ, which is uniform given u < λ), marked off-policy; otherwise the
     draft's lookahead x ~ p (column 0).
 
-    Rows (R, K+1) as in `ListedRows`, uniforms (R,); returns (R,) arrays by name: tokens,
-    offpolicy, log_p, log_q, log_t (log q̃), tv (λ·(1 - Q_S)). A y the draft's row does not give
+    Rows (R, K+1) as in `ListedRows`, uniforms (R,), `lam` a float or λ_t per row (R,); returns
+    (R,) arrays by name: tokens, offpolicy, log_p, log_q, log_t (log q̃), tv (λ·(1 - Q_S)), lam. A y the draft's row does not give
     gets its log p from `probe(row indices (R',), tokens (R', 1))`; without a probe it raises.
     log q of a lookahead x outside S is -inf where the guidance row lists its whole support and
     NaN where it does not (not reported; its q̃ is exactly 0 either way).
@@ -286,6 +303,7 @@ def draw_bonus(
     """
     _check_lam(lam)
     u = np.asarray(uniforms, dtype=np.float64)
+    lam = np.broadcast_to(np.asarray(lam, dtype=np.float64), u.shape)
     from_q = u < lam
     with np.errstate(divide="ignore", invalid="ignore"):  # λ = 0: no row draws from q
         v = np.where(from_q, u / lam, 0.0)
@@ -304,7 +322,8 @@ def draw_bonus(
     in_s = guidance.in_topk(tokens)
     log_q = guidance.lookup_one(tokens, unknown=np.nan)
     return {"tokens": tokens, "offpolicy": from_q, "log_p": log_p, "log_q": log_q,
-            "log_t": np.where(in_s, log_q - log_mass, NEG_INF), "tv": lam * np.clip(1.0 - np.exp(log_mass), 0.0, None)}  # fmt: skip
+            "log_t": np.where(in_s, log_q - log_mass, NEG_INF), "tv": lam * np.clip(1.0 - np.exp(log_mass), 0.0, None),
+            "lam": lam.copy()}  # fmt: skip
 
 
 def _inverse_cdf(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
@@ -314,8 +333,9 @@ def _inverse_cdf(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
     return (cdf <= (uniforms * cdf[:, -1])[:, None]).sum(-1).clip(max=cdf.shape[-1] - 1)
 
 
-def _check_lam(lam: float) -> None:
-    if not 0.0 <= lam <= 1.0:
+def _check_lam(lam: float | np.ndarray | torch.Tensor) -> None:
+    values = np.asarray(lam.cpu() if isinstance(lam, torch.Tensor) else lam, dtype=np.float64)
+    if values.size and not ((values >= 0.0) & (values <= 1.0)).all():
         raise ValueError(f"lam must lie in [0, 1], got {lam}")
 
 
@@ -338,6 +358,11 @@ class GuidedSequence:
     empty where the response was not sampled speculatively: μ then uses `guidance_log_probs`)."""
     target_tv: list[float] = field(default_factory=list)
     """TV(target, q_λ) at each token's position (empty as `target_log_probs`)."""
+    lam: list[float] = field(default_factory=list)
+    """λ_t of each token's position (empty as `target_log_probs`)."""
+    draft_entropy: list[float] = field(default_factory=list)
+    """The draft's entropy at each token's position, from its listed log-probs (`listed_entropy`;
+    empty as `target_log_probs`)."""
 
 
 ProposeFn = Callable[
@@ -379,6 +404,9 @@ class SpeculativeBatch:
     per-sequence state under them (vLLM sessions). With `bonus`, a round may also hand `apply`
     the draft's lookahead tokens (`BonusRows`): a fully accepted sequence then emits one token
     more (`draw_bonus`). `generator`: one shared, or one per prompt (see `_uniforms`).
+    Per-position λ_t = lam · lam_scale[sequence] · gate(H_t), H_t the draft's entropy at the
+    position (`listed_entropy` of its row; `gate` maps (N,) entropies to factors in [0, 1]):
+    `lam_scale` 0 makes a sequence draft-only (exactly p), `gate` None means 1.
     """
 
     def __init__(
@@ -391,8 +419,14 @@ class SpeculativeBatch:
         generator: torch.Generator | list[torch.Generator] | None = None,
         ids: list[int] | None = None,
         bonus: bool = False,
+        lam_scale: list[float] | None = None,
+        gate: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
         self.prompts, self.lam, self.generator, self.bonus = prompts, lam, generator, bonus
+        self.gate = gate
+        self.lam_scale = (
+            np.ones(len(prompts)) if lam_scale is None else np.asarray(lam_scale, dtype=np.float64)
+        )
         self.k, self.max_new_tokens, self.eos_token_id = (
             num_speculative_tokens,
             max_new_tokens,
@@ -438,19 +472,25 @@ class SpeculativeBatch:
         each prefix (engine ids as in `next_round`), for those its listed rows do not give."""
         uniforms = self._uniforms(proposals.shape[0])
         at = self._probe_at(proposals, probe)
+        num = num_proposed.numpy()
+        seq = np.repeat(np.arange(len(num)), num)  # the sequence of each flat proposal row
+        pos = np.arange(len(seq)) - np.repeat(np.cumsum(num) - num, num)
+        entropy = _row_entropy(draft_tables, num_proposed)  # (N,) H_t at each proposal
+        lam = self._lam(entropy, seq)
         if isinstance(draft_tables, ListedRows) and isinstance(guidance_tables, ListedRows):
-            result = verify_listed(
-                num_proposed, draft_tables, guidance_tables, self.lam, uniforms, at
-            )
+            result = verify_listed(num_proposed, draft_tables, guidance_tables, lam, uniforms, at)
         else:
-            result = verify_proposals(proposals, num_proposed, draft_tables,
-                                      guidance_tables, self.lam, uniforms=uniforms)  # fmt: skip
+            if not isinstance(lam, float):  # λ_t per position, (B, k)
+                lam = torch.from_numpy(_scatter(lam, seq, pos, proposals.shape))
+            result = verify_proposals(proposals, num_proposed, draft_tables, guidance_tables,
+                                      lam, uniforms=uniforms)  # fmt: skip
         self.stats.rounds += 1
         self.stats.proposed += int(num_proposed.sum())
         self.stats.accepted += int(result.num_accepted.sum())
         extra = self._bonus(result, num_proposed, bonus, uniforms[:, -1].numpy(), at)
+        entropy_bk = torch.from_numpy(_scatter(entropy, seq, pos, result.tokens.shape))
         fields = (result.tokens, result.offpolicy, result.draft_log_probs, result.guidance_log_probs,
-                  result.target_log_probs, result.target_tv)  # fmt: skip
+                  result.target_log_probs, result.target_tv, result.lam, entropy_bk)  # fmt: skip
         columns = zip(*(f.tolist() for f in fields), result.num_emitted.tolist(), strict=True)
         for i, (r, budget, (*values, emitted)) in enumerate(
             zip(self._rows, self._budget, columns, strict=True)
@@ -463,6 +503,19 @@ class SpeculativeBatch:
             if i in extra and not self.seqs[r].finished:
                 self._append(r, *([value] for value in extra[i]))
                 self.stats.bonus += 1
+
+    def _lam(self, entropy: np.ndarray, rows: np.ndarray) -> float | np.ndarray:
+        """λ_t at positions with draft entropies `entropy` (N,) of round rows `rows` (N,): the
+        float λ when neither a gate nor a guided subset applies, else (N,) values."""
+        scale = (
+            self.lam_scale[np.asarray(self._rows, dtype=np.int64)[rows]]
+            if len(rows)
+            else np.zeros(0)
+        )
+        if self.gate is None and (scale == 1.0).all():
+            return float(self.lam)
+        gate = np.ones(len(rows)) if self.gate is None else self.gate(entropy)
+        return self.lam * scale * gate
 
     def _probe_at(self, proposals: torch.Tensor, probe: Callable | None) -> DraftProbe | None:
         """`probe` as a `DraftProbe` of this round: round rows and proposal counts to prefixes."""
@@ -494,7 +547,7 @@ class SpeculativeBatch:
         u: np.ndarray,
         probe: DraftProbe | None,
     ) -> dict[int, tuple]:
-        """Bonus tokens by round row: (token, off-policy, log p, log q, log q̃, tv) where every
+        """Bonus tokens by round row: (token, off-policy, log p, log q, log q̃, tv, λ_t, H_t) where every
         proposal was accepted and the draft drafted a lookahead. The uniform is the residual's
         column, which a round without rejection leaves unused."""
         if bonus is None or not bonus.has.any():
@@ -505,32 +558,54 @@ class SpeculativeBatch:
             return {}
         at = (np.cumsum(bonus.has) - 1)[rows]  # the lookahead rows of those sequences
         n = num.numpy()
-        drawn = draw_bonus(bonus.draft.take(at), bonus.guidance.take(rows), self.lam, u[rows],
+        lookahead = bonus.draft.take(at)
+        entropy = lookahead.entropy()
+        drawn = draw_bonus(lookahead, bonus.guidance.take(rows), self._lam(entropy, rows), u[rows],
                            None if probe is None else lambda i, t: probe(rows[i], n[rows[i]], t))  # fmt: skip
-        names = ("tokens", "offpolicy", "log_p", "log_q", "log_t", "tv")
+        drawn["entropy"] = entropy
+        names = ("tokens", "offpolicy", "log_p", "log_q", "log_t", "tv", "lam", "entropy")
         return {
             int(r): values
             for r, *values in zip(rows, *(drawn[k].tolist() for k in names), strict=True)
         }
 
     def _append(self, r: int, tokens: list, *values: list) -> None:
-        """Append emitted tokens and their (off-policy, log p, log q, log q̃, tv) to sequence r,
-        ending it at EOS or `max_new_tokens`."""
+        """Append emitted tokens and their (off-policy, log p, log q, log q̃, tv, λ_t, H_t) to
+        sequence r, ending it at EOS or `max_new_tokens`."""
         seq = self.seqs[r]
         if self.eos_token_id in tokens:
             end = tokens.index(self.eos_token_id) + 1
             tokens, values = tokens[:end], tuple(v[:end] for v in values)
             seq.finished = True
         seq.tokens += tokens
-        off, lp, lq, lt, tv = values
+        off, lp, lq, lt, tv, lam, entropy = values
         seq.offpolicy += off
         seq.draft_log_probs += lp
         seq.guidance_log_probs += lq
         seq.target_log_probs += lt
         seq.target_tv += tv
+        seq.lam += lam
+        seq.draft_entropy += entropy
         self.stats.emitted += len(tokens)
         if len(seq.tokens) >= self.max_new_tokens:
             seq.finished = True
+
+
+def _row_entropy(tables: torch.Tensor | TopK | ListedRows, num: torch.Tensor) -> np.ndarray:
+    """(N,) the draft's entropy at each proposal position in sequence order (`listed_entropy`):
+    of a flat row's top-K columns, or of a (B, k, V) / `TopK` (B, k, K) table's valid rows."""
+    if isinstance(tables, ListedRows):
+        return tables.entropy()
+    values = tables.log_probs if isinstance(tables, TopK) else tables
+    valid = (torch.arange(values.shape[1]) < num.unsqueeze(-1)).numpy()
+    return listed_entropy(values.double().cpu().numpy()[valid])
+
+
+def _scatter(values: np.ndarray, seq: np.ndarray, pos: np.ndarray, shape: tuple) -> np.ndarray:
+    """Flat per-position `values` (N,) into a (B, k) array (0 elsewhere)."""
+    out = np.zeros(tuple(shape), dtype=np.float64)
+    out[seq, pos] = values
+    return out
 
 
 def speculative_generate(

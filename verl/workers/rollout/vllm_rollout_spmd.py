@@ -22,7 +22,12 @@ import torch
 from verl_patches import vllm_session_rewind
 
 from verl.protocol import DataProto
-from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR, guidance_tensors, lam_at_step
+from verl.trainer.core_algos.guidance import (
+    LAM_GATES,
+    LOG_PROB_FLOOR,
+    guidance_tensors,
+    lam_at_step,
+)
 from verl.workers.rollout.config import OffPolicyGuidanceConfig, RolloutConfig
 from verl.workers.rollout.guidance_server import GuidanceChannel, GuidanceClient, GuidanceProcess
 from verl.workers.rollout.speculative import (
@@ -319,6 +324,7 @@ class VLLMRollout:
         step_seed = int(meta.get("seed", self.config.seed)) + 7919 * int(meta.get("global_step", 0))
         seeds = sequence_seeds(step_seed, int(meta.get("first_row", 0)), len(prompt_ids), n)
         self._counters = _Counters()
+        guided = np.zeros(len(repeated), dtype=bool)  # the responses sampled with λ > 0
         if not guidance.enable or not meta.get(
             "guidance", True
         ):  # e.g. validation: the draft alone
@@ -327,23 +333,42 @@ class VLLMRollout:
             lam = float(meta["lam"]) if "lam" in meta else lam_at_step(
                 int(meta.get("global_step", 0)), int(meta.get("total_steps", 1) or 1),
                 guidance.lam, guidance.lam_end, guidance.lam_schedule)  # fmt: skip
+            subset = n if guidance.guided_samples is None else guidance.guided_samples
             if guidance.mode == "mix":
                 seqs, stats = self._mix(repeated, n, seeds[:, 0]), None
-            elif lam == 0.0 and guidance.teacher_scoring == "prefill":  # the guidance only scores
-                seqs, stats = self._teacher_only_prefill(repeated, seeds[:, 0]), None
-            else:
-                seqs, stats = self._speculative(repeated, lam, seeds)
-        out = self._to_dataproto(repeated, seqs, lam, guidance)
+            elif (lam == 0.0 or subset == 0) and guidance.teacher_scoring == "prefill":
+                seqs, stats = self._teacher_only_prefill(repeated, seeds[:, 0]), None  # scores only
+            else:  # the first `subset` responses of each prompt guided, the others λ_t = 0
+                guided = (np.arange(len(repeated)) % n < subset) & (lam > 0.0)
+                tau = float(meta.get("entropy_threshold", guidance.entropy_threshold))
+                seqs, stats = self._speculative(repeated, lam, seeds, guided, self._gate(tau))
+        out = self._to_dataproto(repeated, seqs, lam, guidance, guided)
         out.non_tensor_batch = {
             k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()
         }
         out.meta_info.update(self._counters.meta(stats, out, lam, seqs))
         return out
 
-    def _speculative(self, prompts: list[list[int]], lam: float, seeds: np.ndarray):
+    def _gate(self, tau: float) -> Callable[[np.ndarray], np.ndarray] | None:
+        """The per-position gate of λ (`lam_gate`) with threshold τ; None: λ_t = λ."""
+        name = self.config.offpolicy_guidance.lam_gate
+        if name == "none":
+            return None
+        gate = LAM_GATES.get(name)
+        return lambda entropy: gate(entropy, tau)
+
+    def _speculative(
+        self,
+        prompts: list[list[int]],
+        lam: float,
+        seeds: np.ndarray,
+        guided: np.ndarray,
+        gate: Callable[[np.ndarray], np.ndarray] | None,
+    ):
         """Speculative guidance in waves of sequences whose sessions fit both KV caches at once
         (a session keeps its KV blocks from its first round to its last). A wave is split into
-        `pipeline_groups` groups whose rounds interleave across the two engines."""
+        `pipeline_groups` groups whose rounds interleave across the two engines. Sequences not
+        `guided` (B,) sample the draft alone (λ_t = 0); `gate` maps draft entropies to λ_t / λ."""
         guidance = self.config.offpolicy_guidance
         longest = max(map(len, prompts)) + self._max_tokens + 1
         wave = min(
@@ -354,11 +379,13 @@ class VLLMRollout:
         for start in range(0, len(prompts), wave):
             self._call += 1  # session ids are unique per wave
             part, part_seeds = prompts[start : start + wave], seeds[start : start + wave]
+            scale = guided[start : start + wave].astype(np.float64)
             gens = [torch.Generator().manual_seed(int(s)) for s in part_seeds[:, 1]]
             self._in_flight = 0  # scoring rounds submitted and not yet collected
             groups = np.array_split(np.arange(len(part)), min(guidance.pipeline_groups, len(part)))
             batches = [SpeculativeBatch([part[i] for i in g], lam, guidance.num_speculative_tokens, self._max_tokens, eos,
-                                        [gens[i] for i in g], ids=g.tolist(), bonus=guidance.bonus_token) for g in groups]  # fmt: skip
+                                        [gens[i] for i in g], ids=g.tolist(), bonus=guidance.bonus_token,
+                                        lam_scale=scale[g].tolist(), gate=gate) for g in groups]  # fmt: skip
             draft = _DraftRounds(self.draft_sessions, f"d{self._call}-",
                                  lambda i, m, s=part_seeds[:, 0]: self._draft_params(m, self.num_logprobs, int(s[i])))  # fmt: skip
             scorer = _Scorer(self._submit_score, self.engines.guidance.ready, self._collect_score)
@@ -474,7 +501,7 @@ class VLLMRollout:
         return seqs
 
     def _to_dataproto(
-        self, prompts, seqs, lam: float, guidance: OffPolicyGuidanceConfig
+        self, prompts, seqs, lam: float, guidance: OffPolicyGuidanceConfig, guided: np.ndarray
     ) -> DataProto:
         p_len, r_len = self.config.prompt_length, self.config.response_length
         b = len(seqs)
@@ -485,6 +512,8 @@ class VLLMRollout:
         draft_lp = torch.zeros(b, r_len)
         guide_lp = torch.zeros(b, r_len)  # -inf: q = 0 after processing; NaN: not reported
         target_lp = torch.zeros(b, r_len)  # log q̃ of the sampled target (speculative rounds)
+        lam_t = torch.full((b, r_len), lam, dtype=torch.float64)  # λ_t (speculative rounds)
+        entropy = torch.full((b, r_len), float("nan"))  # the draft's H_t (speculative rounds)
         off = torch.zeros(b, r_len, dtype=torch.bool)
         for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
             prompt_t[i, p_len - len(p) :] = torch.tensor(p)
@@ -498,6 +527,9 @@ class VLLMRollout:
                 s.target_log_probs if s.target_log_probs else s.guidance_log_probs
             )
             off[i, :n] = torch.tensor(s.offpolicy)
+            if s.lam:
+                lam_t[i, :n] = torch.tensor(s.lam, dtype=torch.float64)
+                entropy[i, :n] = torch.tensor(s.draft_entropy)
         attention = torch.cat([prompt_mask, resp_mask], dim=1)
         tensors = {
             "prompts": prompt_t,
@@ -511,8 +543,11 @@ class VLLMRollout:
         if guidance.enable and guidance.keep_topk:
             tensors.update(_topk_tensors(seqs, r_len, self.num_logprobs))
         if guidance.enable:
-            tensors.update(guidance_tensors(draft_lp, guide_lp, off, resp_mask, lam, guidance.mode,
-                                            guidance.behavior, target_lp))  # fmt: skip
+            per_token = any(s.lam for s in seqs) and (lam_t != lam).any()  # a gate or a subset
+            tensors.update(guidance_tensors(draft_lp, guide_lp, off, resp_mask, lam_t if per_token else lam,
+                                            guidance.mode, guidance.behavior, target_lp))  # fmt: skip
+            tensors.update(guidance_lam=(lam_t * resp_mask).float(), draft_entropy=entropy,
+                           guided_responses=torch.from_numpy(guided))  # fmt: skip
         return DataProto.from_dict(tensors)
 
 
