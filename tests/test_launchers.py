@@ -24,6 +24,9 @@ EXPECTED = {  # launcher -> (dotted key, value) pairs its final config must hold
     "qwen2_5_1_5b_math_opsm.sh": [("algorithm.opsm_delta", 0.1), ("worker.rollout.offpolicy_guidance.enable", True)],
     "qwen2_5_1_5b_math_cppo.sh": [("worker.actor.loss_type", "cppo")],
     "qwen2_5_1_5b_math_guided_multinode.sh": [("trainer.nnodes", 2), ("worker.rollout.offpolicy_guidance.enable", True)],
+    "qwen2_5_1_5b_math_mentor.sh": [("worker.rollout.offpolicy_guidance.lam_gate", "entropy"),
+                                    ("worker.rollout.offpolicy_guidance.guided_samples", 4), ("worker.rollout.n", 12),
+                                    ("algorithm.guided_advantage", "mentor"), ("algorithm.tis_level", "none")],
 }  # fmt: skip
 
 
@@ -51,6 +54,16 @@ def test_launcher_dry_run_validates_its_config(launcher):
             config.worker.actor.model.model_path == "/models/draft"
             and config.trainer.n_gpus_per_node == 4
         )
+
+
+def test_mentor_launcher_exact_switches_on_the_importance_weights():
+    """EXACT=1 picks configs/mentor_exact.yaml: the same selective guidance, with token TIS."""
+    proc = dry_run(ROOT / "examples" / "qwen2_5_1_5b_math_mentor.sh", EXACT="1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config = OmegaConf.create(proc.stdout)
+    assert config.algorithm.tis_level == "token" and config.algorithm.guided_advantage == "mentor"
+    assert config.worker.rollout.offpolicy_guidance.lam_gate == "entropy"
+    assert config.trainer.experiment_name == "qwen2_5_1_5b_math_mentor_exact"
 
 
 def test_a_bad_override_fails_in_one_line():

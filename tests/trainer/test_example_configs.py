@@ -48,7 +48,7 @@ def _leaves(node, prefix=""):
 def test_the_overlays_cover_every_capability():
     names = {p.stem for p in OVERLAYS}
     assert {"guidance_speculative", "guidance_mix", "otb", "opsm", "tis", "mis", "geo_mask",
-            "dppo_tv", "cppo", "luffy", "distill"} <= names  # fmt: skip
+            "dppo_tv", "cppo", "luffy", "distill", "mentor", "mentor_exact"} <= names  # fmt: skip
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)

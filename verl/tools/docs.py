@@ -23,6 +23,8 @@ from pathlib import Path
 
 from verl.trainer import core_algos as C
 from verl.trainer.config import AlgorithmConfig
+from verl.trainer.core_algos.advantage import GUIDED_ADVANTAGES
+from verl.trainer.core_algos.guidance import LAM_GATES
 from verl.utils.metric_reference import SECTIONS, in_section
 from verl.workers.actor.config import ActorConfig
 from verl.workers.rollout.config import OffPolicyGuidanceConfig
@@ -44,6 +46,8 @@ REGISTRIES = (
     ("worker.rollout.offpolicy_guidance.mode", C.GUIDANCE_MODES),
     ("worker.rollout.offpolicy_guidance.behavior", C.BEHAVIORS),
     ("worker.rollout.offpolicy_guidance.lam_schedule", C.LAM_SCHEDULES),
+    ("worker.rollout.offpolicy_guidance.lam_gate", LAM_GATES),
+    ("algorithm.guided_advantage", GUIDED_ADVANTAGES),
     ("algorithm.distill.mode", C.DISTILL_MODES),
     ("algorithm.kl_penalty, algorithm.distill.estimator", C.KL_ESTIMATORS),
 )

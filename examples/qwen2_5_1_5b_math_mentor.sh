@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# MENTOR's selective guidance (arXiv 2510.04140): Qwen2.5-1.5B-Instruct draft, Qwen2.5-7B-Instruct
+# guidance, math12k. 12 responses per prompt: 4 guided where the draft's entropy is high, 8 draft-only.
+# Hardware: one node, 8 x 80 GB GPUs (each holds an FSDP rank, a draft engine share and the guidance).
+# Environment: MODEL_PATH, GUIDANCE_PATH, TRAIN_FILES, VAL_FILES, N_GPUS (per node), NNODES,
+# PYTHON, GUIDANCE_GPUS (as in qwen2_5_1_5b_math_guided.sh), EXACT (default 0: MENTOR as published,
+# no importance weights, configs/mentor.yaml; 1: with exact truncated importance weights,
+# configs/mentor_exact.yaml). Extra arguments are key=value overrides (or --dry-run: print the final config only).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OVERLAY=mentor
+if [ "${EXACT:-0}" = "1" ]; then OVERLAY=mentor_exact; fi
+${PYTHON:-python3} -m verl.trainer.main \
+    config="$ROOT/examples/qwen2_5_math.yaml" config="$ROOT/configs/$OVERLAY.yaml" \
+    worker.rollout.n=12 \
+    worker.actor.model.model_path="${MODEL_PATH:-Qwen/Qwen2.5-1.5B-Instruct}" \
+    worker.rollout.offpolicy_guidance.model_path="${GUIDANCE_PATH:-Qwen/Qwen2.5-7B-Instruct}" \
+    data.train_files="${TRAIN_FILES:-hiyouga/math12k@train}" \
+    data.val_files="${VAL_FILES:-hiyouga/math12k@test}" \
+    trainer.n_gpus_per_node=$(( ${N_GPUS:-8} - ${GUIDANCE_GPUS:-0} )) \
+    worker.rollout.offpolicy_guidance.n_gpus_per_node="${GUIDANCE_GPUS:-0}" trainer.nnodes="${NNODES:-1}" \
+    trainer.experiment_name="qwen2_5_1_5b_math_$OVERLAY" "$@"
