@@ -30,6 +30,14 @@ And, for every request (same results, one batch instead of a loop):
    distribution the engine samples from at any K; `GATHER_KEY: ids` reads the rows at those ids
    instead of the top-K (the draft's p at the guidance's listed tokens, `vllm_sessions.lookup`).
 
+And one fix:
+4. `GPUModelRunner._bookkeeping_sync` rewinds the random generator of every request whose sampled
+   token it discards (a prompt still being prefilled in chunks) by a CUDA Philox offset, which
+   raises "CPU Generator does not use offset" for a seeded request on CPU: every seeded batch
+   whose prompts exceed `max_num_batched_tokens` crashed. CPU generators are left out of the
+   rewind (the discarded draw only advances them: later draws are still independent uniforms,
+   the sampled distribution is unchanged; the tokens then depend on how the prompt was chunked).
+
 The LM head and the fp32 log-softmax of 3. run outside vLLM's memory budget, so they go in
 chunks of at most `PROMPT_LOGPROB_CHUNK_BYTES` of fp32 logits (rows x vocabulary x 4 bytes),
 with the same results as one pass.
@@ -296,6 +304,17 @@ def _write_rows(self, plan: list, scores, targets, first: int) -> None:
             at += count
 
 
+def _bookkeeping_sync(self, *args, **kwargs):
+    generators = self.input_batch.generators
+    cpu = {i: g for i, g in generators.items() if g.device.type == "cpu"}
+    for i in cpu:  # no offset to rewind (4. above); put back after
+        del generators[i]
+    try:
+        return _originals["bookkeeping"](self, *args, **kwargs)
+    finally:
+        generators.update(cpu)
+
+
 def is_applied() -> bool:
     """Whether the patched methods are installed on vLLM's classes (`check_engine` checks the
     runner and scheduler an engine actually built)."""
@@ -304,11 +323,13 @@ def is_applied() -> bool:
         scheduler._update_request_as_session is _update_request_as_session
         and runner._update_streaming_request is _update_streaming_request
         and runner._get_prompt_logprobs_dict is _get_prompt_logprobs_dict
+        and runner._bookkeeping_sync is _bookkeeping_sync
     )
 
 
 _PATCHED_RUNNER = {"_update_streaming_request": _update_streaming_request,
-                   "_get_prompt_logprobs_dict": _get_prompt_logprobs_dict}  # fmt: skip
+                   "_get_prompt_logprobs_dict": _get_prompt_logprobs_dict,
+                   "_bookkeeping_sync": _bookkeeping_sync}  # fmt: skip
 
 
 def live_runner(llm):
@@ -417,9 +438,11 @@ def apply() -> None:
     _originals["session"] = scheduler._update_request_as_session
     _originals["runner"] = runner._update_streaming_request
     _originals["prompt_logprobs"] = runner._get_prompt_logprobs_dict
+    _originals["bookkeeping"] = runner._bookkeeping_sync
     scheduler._update_request_as_session = _update_request_as_session
     runner._update_streaming_request = _update_streaming_request
     runner._get_prompt_logprobs_dict = _get_prompt_logprobs_dict
+    runner._bookkeeping_sync = _bookkeeping_sync
 
 
 def remove() -> None:
@@ -430,3 +453,4 @@ def remove() -> None:
     scheduler._update_request_as_session = _originals.pop("session")
     runner._update_streaming_request = _originals.pop("runner")
     runner._get_prompt_logprobs_dict = _originals.pop("prompt_logprobs")
+    runner._bookkeeping_sync = _originals.pop("bookkeeping")

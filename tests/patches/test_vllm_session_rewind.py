@@ -521,3 +521,36 @@ def test_restrict_vocab_gives_the_ids_past_the_rows_exact_zeros(engine):
     finally:
         vllm_session_rewind.restrict_vocab(engine, None)
     torch.testing.assert_close(fresh_prompt_logprobs(engine, tokens)[0], raw, rtol=0, atol=0)
+
+
+def test_seeded_requests_whose_prompts_are_chunked_sample_on_cpu(engine, monkeypatch):
+    """Seeded requests whose prompts exceed max_num_batched_tokens: vLLM prefills some in
+    chunks, discards their tokens sampled meanwhile and rewinds their generators by a CUDA
+    offset, which a CPU generator does not have (it raised "CPU Generator does not use offset",
+    ending every such batch). With the patch they sample: every request gets its tokens, the
+    discard path with a CPU generator was taken, and a seed still fixes a lone request's tokens."""
+    from verl_patches import vllm_session_rewind
+    from vllm import SamplingParams
+
+    with pytest.raises(RuntimeError, match="does not use offset"):  # what vLLM's rewind calls
+        torch.Generator().get_offset()
+    vllm_session_rewind.apply()
+    taken, own = [], vllm_session_rewind._originals["bookkeeping"]
+
+    def counting(self, *args, **kwargs):  # (the patch has set the CPU generators aside)
+        taken.extend(self.discard_request_mask.np[: self.input_batch.num_reqs].nonzero()[0])
+        return own(self, *args, **kwargs)
+
+    monkeypatch.setitem(vllm_session_rewind._originals, "bookkeeping", counting)
+    budget = engine.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    gen = torch.Generator().manual_seed(5)
+    prompts = [
+        torch.randint(10, VOCAB, (100,), generator=gen).tolist() for _ in range(budget // 100 + 3)
+    ]
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i) for i in range(len(prompts))]
+    outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3] * len(prompts)
+    assert taken, "no chunked seeded prompt (all are seeded): the test did not reach the rewind"
+    alone = [engine.generate([{"prompt_token_ids": prompts[0]}], params[0], use_tqdm=False)[0]
+             for _ in range(2)]  # fmt: skip
+    assert alone[0].outputs[0].token_ids == alone[1].outputs[0].token_ids
