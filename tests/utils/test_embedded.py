@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from verl.utils.embedded import arithmetic_answer, arithmetic_split, greedy_accuracy, load_embedded
+from verl.utils.embedded import (
+    TASKS,
+    arithmetic_answer,
+    arithmetic_split,
+    greedy_accuracy,
+    load_embedded,
+    pick_snapshot,
+    pick_snapshots,
+    runsum_row,
+    runsum_split,
+)
 
 
 def test_answer_is_the_sum_with_digits_reversed():
@@ -66,33 +78,66 @@ def test_teacher_forced_accuracy_equals_greedy_decoding():
     assert greedy_accuracy(model, rows, tok) == pytest.approx(sum(right) / len(rows))
 
 
-def test_snapshot_is_the_pair_runs_model_at_that_step_and_is_cached(tmp_path):
+def test_pick_snapshot_takes_the_evaluation_nearest_the_target_at_the_first_crossing():
+    # target 0.36: the curve first reaches it at (40, 0.41); the one before, (35, 0.33), is
+    # nearer (0.03 < 0.05): step 35
+    assert pick_snapshot((35, 0.33), (40, 0.41), 0.36) == (35, 0.33)
+    # (35, 0.30) is 0.06 away, (40, 0.38) 0.02: step 40
+    assert pick_snapshot((35, 0.30), (40, 0.38), 0.36) == (40, 0.38)
+    # a tie (0.25 and 0.75 both 0.25 from 0.5, exact in binary) and no evaluation before: the
+    # later / current one
+    assert pick_snapshot((35, 0.25), (40, 0.75), 0.5) == (40, 0.75)
+    assert pick_snapshot(None, (0, 0.5), 0.36) == (0, 0.5)
+    # whole curves: a dip after the crossing does not matter; a target never reached takes the
+    # last evaluation
+    curve = [(0, 0.0), (5, 0.10), (10, 0.16), (15, 0.12), (20, 0.40), (25, 0.90), (30, 0.95)]
+    picked = pick_snapshots(curve, {"weak": 0.15, "draft": 0.36, "guidance": 0.97})
+    assert picked == {"weak": (10, 0.16), "draft": (20, 0.40), "guidance": (30, 0.95)}
+
+
+def test_runsum_rows_by_hand_and_splits():
+    # 7, 3, 9, 4: running sums 7, 10, 19, 23 -> modulo 10: 7, 0, 9, 3
+    assert runsum_row([7, 3, 9, 4]) == {"prompt": "7394=", "answer": "7093"}
+    test, train = load_embedded("embedded://runsum@test"), load_embedded("embedded://runsum@train")
+    assert len(test) == 500 and len(train) > 39_990
+    assert not {r["prompt"] for r in test} & {r["prompt"] for r in train}
+    assert test == runsum_split("test")  # drawn once, the same every call
+    for row in test[:50]:  # the answer follows from the prompt; lengths are fixed
+        assert runsum_row([int(c) for c in row["prompt"][:-1]]) == row
+        assert len(row["prompt"]) == 21 and len(row["answer"]) == 20
+    assert TASKS["runsum"].max_response_length == 21  # 20 digits + EOS
+
+
+def test_the_pair_is_chosen_by_accuracy_targets_and_cached(tmp_path):
+    """A tiny supervised run with targets 0 and 1: the first is the step-0 model (accuracy 0
+    reaches 0), the second, never reached in 6 steps, the last model; both are saved with their
+    records and reused on the next call."""
     from safetensors.torch import load_file
 
-    from verl.utils.embedded import SFTSpec, build_embedded, build_snapshot
-    from verl.utils.tiny_lm import TinyLMSpec
+    from verl.utils.embedded import SFTSpec, build_embedded
+    from verl.utils.tiny_lm import TinyLMSpec, build_char_tokenizer, build_tiny_qwen2
 
     spec = SFTSpec(TinyLMSpec(hidden_size=64, num_hidden_layers=1, vocab_size=128, seed=3),
-                   draft_steps=2, guidance_steps=3, batch_size=8)  # fmt: skip
-    pair = build_embedded(str(tmp_path / "pair"), spec, log=lambda *_: None)
+                   {"start": 0.0, "end": 1.0}, max_steps=6, eval_every=2, batch_size=8)  # fmt: skip
     logs = []
-    snap = build_snapshot("early", 2, str(tmp_path / "pair"), spec, log=logs.append)
-    assert logs and snap["accuracy"] == pair["draft_accuracy"]
-    same = load_file(str(tmp_path / "pair" / "draft" / "model.safetensors"))
-    built = load_file(str(tmp_path / "pair" / "early" / "model.safetensors"))
-    assert all(torch.equal(same[k], built[k]) for k in same)  # the same run, stopped at step 2
+    pair = build_embedded(str(tmp_path / "pair"), spec, log=logs.append)
+    assert pair["start_accuracy"] == 0.0 and any("below its target" in line for line in logs)
+    with open(tmp_path / "pair" / "end" / "embedded.json") as f:
+        assert json.load(f)["step"] == 6
+    start = load_file(str(tmp_path / "pair" / "start" / "model.safetensors"))
+    fresh = build_tiny_qwen2(spec.model, build_char_tokenizer()).state_dict()
+    assert all(torch.equal(start[k], fresh[k]) for k in start)  # the untrained model, step 0
     logs.clear()
-    assert build_snapshot("early", 2, str(tmp_path / "pair"), spec, log=logs.append) == snap
+    assert build_embedded(str(tmp_path / "pair"), spec, log=logs.append) == pair
     assert not logs  # reused, not rebuilt
 
 
-def test_three_digit_task_splits_are_disjoint_fixed_and_longer():
-    test = load_embedded("embedded://arithmetic3@test")
-    train = load_embedded("embedded://arithmetic3@train")
-    assert len(test) == 500 and len(train) == 40_000
-    assert not {r["prompt"] for r in test} & {r["prompt"] for r in train}
-    assert test == arithmetic_split("test", digits=3)  # drawn once, the same every call
-    a, b = map(int, test[0]["prompt"][:-1].split("+"))
-    assert test[0]["answer"] == str(a + b)[::-1]
-    assert max(len(r["answer"]) for r in train) == 4  # up to 999 + 999 = 1998
-    assert max(len(r["prompt"]) for r in train) == 8
+def test_runsum_reward_reads_the_final_answer_in_its_format():
+    from verl.workers.reward.function import runsum_reward
+
+    answer = runsum_row([7, 3, 9, 4])["answer"]  # "7093"
+    score = lambda text: runsum_reward({"response": text, "ground_truth": answer})["overall"]  # noqa: E731
+    assert score("7093") == 1.0 and score(" 7093 ") == 1.0
+    assert score("7193") == 1.0  # two wrong steps that cancel: the final answer is right
+    assert score("7092") == 0.0  # a wrong last step
+    assert score("3") == 0.0 and score("709 3") == 0.0 and score("") == 0.0  # not its format

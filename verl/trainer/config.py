@@ -28,6 +28,7 @@ from verl.trainer.core_algos.distill import DISTILL_MODES
 from verl.trainer.core_algos.kl import KL_ESTIMATORS
 from verl.trainer.core_algos.offpolicy import RATIO_LEVELS
 from verl.utils.config_checks import ConfigError, check_choice, check_range, fail
+from verl.utils.embedded import TASKS, embedded_task
 from verl.workers.config import WorkerConfig
 
 
@@ -271,8 +272,8 @@ class PPOConfig:
             dedicated = self.trainer.nnodes * guidance.n_gpus_per_node
             guidance.num_replicas = min(dedicated or rollout.num_replicas, rollout.num_replicas)
         if self.worker.reward.reward_function is None:
-            embedded = self.data.train_files.startswith("embedded://arithmetic")
-            self.worker.reward.reward_function = "arithmetic" if embedded else "math"
+            task = embedded_task(self.data.train_files)
+            self.worker.reward.reward_function = TASKS[task].reward if task else "math"
         if self.trainer.save_checkpoint_path is None:
             self.trainer.save_checkpoint_path = os.path.join(
                 "checkpoints", self.trainer.project_name, self.trainer.experiment_name

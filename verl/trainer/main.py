@@ -8,6 +8,8 @@ in `RAY_ADDRESS`), the trainer runs, and plots are written.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import signal
 import sys
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 from verl.trainer.config import ConfigError, PPOConfig, load_config
 from verl.utils.dataset import PromptEncoder, RLDataset
 from verl.utils.embedded import CACHE_DIR, TASKS, build_embedded, task_dir
+from verl.utils.worker_logs import WORKER_LOG_ENV
+from verl.workers.reward.config import RewardConfig
 
 
 @dataclass
@@ -116,8 +120,16 @@ def prepare(config: PPOConfig) -> Prepared:
         train,
         val,
         reward,
-        FunctionRewardManager(config.worker.reward, tokenizer),
+        FunctionRewardManager(val_reward_config(config.worker.reward), tokenizer),
     )
+
+
+def val_reward_config(reward: RewardConfig) -> RewardConfig:
+    """The reward config validation scores with: `val_reward_function` in place of
+    `reward_function` when set (built-ins are scored one response per call either way)."""
+    if reward.val_reward_function is None:
+        return reward
+    return dataclasses.replace(reward, reward_function=reward.val_reward_function)
 
 
 def start_ray(config: PPOConfig) -> None:
@@ -135,8 +147,12 @@ def start_ray(config: PPOConfig) -> None:
     guidance = config.worker.rollout.offpolicy_guidance
     per_node = config.trainer.n_gpus_per_node + (guidance.n_gpus_per_node if guidance.enable else 0)
     workers = config.trainer.nnodes * per_node
+    quiet = bool(os.environ.get(WORKER_LOG_ENV))  # the workers write to files (`make demo`)
+    if quiet:
+        env["env_vars"][WORKER_LOG_ENV] = os.environ[WORKER_LOG_ENV]
     ray.init(num_cpus=max(os.cpu_count() or 1, workers + 1), include_dashboard=False,
-             runtime_env=env, log_to_driver=True)  # fmt: skip
+             runtime_env=env, log_to_driver=not quiet,
+             logging_level=logging.WARNING if quiet else logging.INFO)  # fmt: skip
 
 
 class TrainingInterrupted(Exception):

@@ -1,23 +1,35 @@
-"""The embedded default task: reversed-digit addition with a tiny draft and a stronger guidance.
+"""The embedded tasks: tiny draft / guidance pairs and their data, built by the project's own code.
 
-Everything is built by the project's own code (no model hub): `a+b=` prompts whose answer is the
-sum written least-significant digit first (`12+79=` -> `19`, since 91 reversed is 19), a
-character-level tokenizer shared by both models, and two tiny Qwen2 models supervised-trained
-for a few hundred steps: the guidance long enough to be good at the task, the draft briefly, so
-it knows the answer format but is often wrong. DESIGN.md §6: with reversed digits a 4-layer
-width-256 model passes ~86 % after 500 steps on two cores; in the usual order it stays near 6 %.
+Everything is built here (no model hub): the prompts, a character-level tokenizer shared by both
+models, and one tiny Qwen2 supervised-trained once per task, whose snapshots become the pair:
+each model is the snapshot whose held-out greedy accuracy is nearest a stated target where the
+run first reaches it (`SFTSpec.targets`), never a fixed step number, so every machine builds
+models of the same strength (a few points apart) even where float rounding moves the curve.
 
-    python -m verl.utils.embedded [--task arithmetic3]   # builds once; later calls reuse it
+- `arithmetic` (the demo's): `a+b=` with the sum's digits reversed (`12+79=` -> `19`, since 91
+  reversed is 19); responses of 1-3 digits. DESIGN.md §6: with reversed digits a 4-layer
+  width-256 model passes ~86 % after 500 steps on two cores; in the usual order it stays near 6 %.
+- `runsum` (the evidence's, long horizon): 20 digits and their running sums modulo 10
+  (`7394=` -> `7093`): a response is 20 steps, each adding the next digit to the previous step's
+  sum, and the reward reads the final digit only (with the response's length as its format), so
+  one wrong step fails it: the error carries into every later sum. Its models are smaller (2
+  layers, width 128) and measured by their expected accuracy when sampling at temperature 1,
+  the rollout's, since a response of 20 steps sampled at T = 1 fails far more often than the
+  greedy one.
+
+    python -m verl.utils.embedded [--task runsum]   # builds once; later calls reuse it
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -25,13 +37,12 @@ import torch
 from verl.utils.tiny_lm import TinyLMSpec, build_char_tokenizer, build_tiny_qwen2, save_tiny_lm
 
 EMBEDDED_SCHEME = "embedded://"
-TASK_DIGITS = {"arithmetic": 2, "arithmetic3": 3}
-"""Embedded tasks: reversed-digit addition of numbers with this many digits at most."""
-TASKS = tuple(TASK_DIGITS)
 CACHE_DIR = os.environ.get("VERL_EMBEDDED_CACHE", ".cache/embedded")
 TEST_SIZE = 500
-TRAIN_SIZE_3 = 40_000
-"""Training pairs of `arithmetic3` (of its 10^6), drawn once with the split's seed."""
+RUNSUM_TERMS = 20
+"""Digits per `runsum` prompt: the steps of a response."""
+RUNSUM_TRAIN_SIZE = 40_000
+"""Training prompts of `runsum` (of 10^24), drawn once after the test prompts."""
 
 
 def arithmetic_answer(a: int, b: int) -> str:
@@ -39,24 +50,95 @@ def arithmetic_answer(a: int, b: int) -> str:
     return str(a + b)[::-1]
 
 
-def arithmetic_split(split: str, seed: int = 0, digits: int = 2) -> list[dict[str, str]]:
-    """Pairs a, b of at most `digits` digits; the first 500 are `test`, the rest `train`.
-
-    2 digits: all 10^4 pairs, shuffled once. 3 digits (the harder task, answers of up to four
-    digits): 500 + `TRAIN_SIZE_3` distinct pairs of the 10^6, drawn once. Rows:
-    {"prompt": "a+b=", "answer": reversed digits of a+b}.
-    """
-    if split not in ("train", "test"):
-        raise ValueError(f"embedded arithmetic split {split!r} is not valid; valid: train, test")
-    top = 10**digits
-    if digits == 2:
-        pairs = [(a, b) for a in range(top) for b in range(top)]
-        random.Random(seed).shuffle(pairs)
-    else:
-        codes = random.Random(seed).sample(range(top * top), TEST_SIZE + TRAIN_SIZE_3)
-        pairs = [divmod(code, top) for code in codes]
+def arithmetic_split(split: str, seed: int = 0) -> list[dict[str, str]]:
+    """All 10^4 pairs a, b < 100, shuffled once; the first 500 are `test`, the rest `train`.
+    Rows: {"prompt": "a+b=", "answer": reversed digits of a+b}."""
+    _check_split(split)
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    random.Random(seed).shuffle(pairs)
     chosen = pairs[:TEST_SIZE] if split == "test" else pairs[TEST_SIZE:]
     return [{"prompt": f"{a}+{b}=", "answer": arithmetic_answer(a, b)} for a, b in chosen]
+
+
+def runsum_row(digits: list[int]) -> dict[str, str]:
+    """The `runsum` row of `digits` (each 0-9): the prompt is the digits and "=", the answer
+    their running sums modulo 10, one digit per step, whose last digit is the final answer.
+    [7, 3, 9, 4] -> prompt "7394=", answer "7098" (7, 10, 19, 23 mod 10)."""
+    total, sums = 0, []
+    for digit in digits:
+        total = (total + digit) % 10
+        sums.append(str(total))
+    return {"prompt": "".join(map(str, digits)) + "=", "answer": "".join(sums)}
+
+
+def runsum_split(split: str, seed: int = 0, terms: int = RUNSUM_TERMS) -> list[dict[str, str]]:
+    """`TEST_SIZE` test rows, then `RUNSUM_TRAIN_SIZE` train rows of `terms` random digits,
+    drawn once from `seed` (a train prompt equal to a test prompt is dropped)."""
+    _check_split(split)
+    rng = random.Random(seed)
+    rows = [runsum_row([rng.randrange(10) for _ in range(terms)])
+            for _ in range(TEST_SIZE + RUNSUM_TRAIN_SIZE)]  # fmt: skip
+    test = rows[:TEST_SIZE]
+    if split == "test":
+        return test
+    seen = {r["prompt"] for r in test}
+    return [r for r in rows[TEST_SIZE:] if r["prompt"] not in seen]
+
+
+def _check_split(split: str) -> None:
+    if split not in ("train", "test"):
+        raise ValueError(f"embedded split {split!r} is not valid; valid: train, test")
+
+
+@dataclass
+class SFTSpec:
+    """One supervised run of a tiny model; its snapshots at the accuracy targets are the pair."""
+
+    model: TinyLMSpec
+    """Shape of the model (every snapshot shares it and the tokenizer)."""
+    targets: dict[str, float]
+    """Snapshot name -> held-out greedy accuracy it is chosen at (`pick_snapshot`)."""
+    max_steps: int
+    """Optimizer steps at most; a target not reached by then takes the last snapshot (logged)."""
+    eval_every: int = 10
+    """Steps between held-out evaluations while the model scores below a tenth of its lowest open
+    target; every step after (the candidates of `pick_snapshot`)."""
+    batch_size: int = 256
+    """Prompts per step."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate (linear warm-up over 20 steps, then constant)."""
+
+
+@dataclass(frozen=True)
+class EmbeddedTask:
+    """An embedded task: its rows, its reward, its lengths and its pair."""
+
+    rows: Callable[[str], list[dict[str, str]]]
+    """split ("train" / "test") -> rows with a prompt and its answer."""
+    reward: str
+    """Built-in reward function (`verl.workers.reward.function`)."""
+    max_prompt_length: int
+    """Longest prompt in tokens."""
+    max_response_length: int
+    """Longest right answer in tokens, EOS included."""
+    pair: SFTSpec
+    """The supervised run whose snapshots are its models."""
+    measure: str = "greedy"
+    """Held-out accuracy its targets are stated in: greedy (`greedy_accuracy`) or sampled at
+    temperature 1 (`sampled_accuracy`)."""
+
+
+MODEL = TinyLMSpec(hidden_size=256, num_hidden_layers=4, vocab_size=128, seed=12)
+SMALL = TinyLMSpec(hidden_size=128, num_hidden_layers=2, vocab_size=128, seed=12)
+TASKS: dict[str, EmbeddedTask] = {
+    "arithmetic": EmbeddedTask(arithmetic_split, "arithmetic", 8, 4,
+                               SFTSpec(MODEL, {"weak": 0.15, "draft": 0.36, "guidance": 0.97}, max_steps=1500)),
+    "runsum": EmbeddedTask(runsum_split, "runsum", RUNSUM_TERMS + 1, RUNSUM_TERMS + 1,
+                           SFTSpec(SMALL, {"draft": 0.15, "guidance": 0.95}, max_steps=4000, batch_size=128), "sampled"),
+}  # fmt: skip
+"""Embedded task name -> its definition. Targets: `arithmetic` weak 15 %, draft (the demo's)
+36 %, guidance 97 % (greedy); `runsum` draft 15 % (a student that gets most steps right and the
+whole answer seldom), guidance 95 % (sampled at T = 1)."""
 
 
 def load_embedded(spec: str) -> list[dict[str, str]]:
@@ -67,34 +149,15 @@ def load_embedded(spec: str) -> list[dict[str, str]]:
         raise ValueError(
             f"embedded task {task!r} in {spec!r} is not valid; valid: {', '.join(TASKS)}"
         )
-    return arithmetic_split(split or "train", digits=TASK_DIGITS[task])
+    return TASKS[task].rows(split or "train")
 
 
-@dataclass
-class SFTSpec:
-    """The embedded pair: one tiny model supervised-trained once; the draft is an early snapshot."""
-
-    model: TinyLMSpec
-    """Shape of both models (same tokenizer, same shape)."""
-    draft_steps: int
-    """Optimizer step whose weights become the draft (before the loss plateau breaks: weak)."""
-    guidance_steps: int
-    """Optimizer steps of the guidance (after the plateau: strong)."""
-    batch_size: int = 256
-    """Prompts per step."""
-    lr: float = 1e-3
-    """Peak AdamW learning rate (linear warm-up over 20 steps, then constant)."""
-
-
-PAIR = SFTSpec(TinyLMSpec(hidden_size=256, num_hidden_layers=4, vocab_size=128, seed=12),
-               draft_steps=425, guidance_steps=525)  # fmt: skip
-PAIR3 = SFTSpec(TinyLMSpec(hidden_size=256, num_hidden_layers=4, vocab_size=128, seed=12),
-                draft_steps=600, guidance_steps=1200)  # fmt: skip
-"""The harder task's pair (3-digit sums, answers of up to four digits). NOT CALIBRATED: with these
-settings a supervised probe stayed at 0-1.2 % greedy test accuracy through 1,200 steps (38 s per
-100 steps on 2 cores), so its steps are placeholders until a longer run or another model or
-learning rate finds where the plateau breaks."""
-PAIRS = {"arithmetic": PAIR, "arithmetic3": PAIR3}
+def embedded_task(train_files: str) -> str | None:
+    """The embedded task a `data.train_files` value names (None: not an embedded dataset)."""
+    if not train_files.startswith(EMBEDDED_SCHEME):
+        return None
+    task = train_files[len(EMBEDDED_SCHEME) :].partition("@")[0]
+    return task if task in TASKS else None
 
 
 def _encode(rows: list[dict[str, str]], tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +180,22 @@ def _encode(rows: list[dict[str, str]], tokenizer) -> tuple[torch.Tensor, torch.
 
 
 @torch.no_grad()
+def sampled_accuracy(
+    model, rows: list[dict[str, str]], tokenizer, temperature: float = 1.0
+) -> float:
+    """Expected share of rows whose answer (and EOS), sampled at `temperature`, is exactly right:
+    the mean over rows of Π_t p_T(answer token t | the right prefix), computed exactly from one
+    teacher-forced forward (no sampling noise; smooth in the weights, unlike greedy accuracy)."""
+    ids, mask = _encode(rows, tokenizer)
+    log_probs = (model(ids).logits[:, :-1].float() / temperature).log_softmax(-1)
+    picked = log_probs.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) * mask[:, 1:]
+    return picked.sum(-1).exp().mean().item()
+
+
+@torch.no_grad()
 def greedy_accuracy(model, rows: list[dict[str, str]], tokenizer) -> float:
-    """Share of rows whose greedy answer (and EOS) is exactly right.
+    """Share of rows whose greedy answer (and EOS) is exactly right (for `runsum`: every step
+    right, which its final-answer reward reads up to errors that cancel).
 
     Teacher-forced argmax equals greedy decoding here: greedy output matches the answer iff the
     argmax is right at every answer position given the right prefix.
@@ -129,32 +206,89 @@ def greedy_accuracy(model, rows: list[dict[str, str]], tokenizer) -> float:
     return correct.all(-1).float().mean().item()
 
 
-def supervised_train(
-    spec: SFTSpec, rows: list[dict[str, str]], tokenizer, log=print, snapshots: tuple[int, ...] = ()
-):
-    """Cross-entropy on the answer tokens (prompts are not predicted); yields (step, model) at
-    each step of `snapshots` (default: `draft_steps` and `guidance_steps`), then stops."""
-    snapshots = tuple(sorted(snapshots or (spec.draft_steps, spec.guidance_steps)))
+MEASURES = {"greedy": greedy_accuracy, "sampled": sampled_accuracy}
+"""How a task's held-out accuracy is measured (`EmbeddedTask.measure`)."""
+
+
+def pick_snapshot(
+    previous: tuple[int, float] | None, current: tuple[int, float], target: float
+) -> tuple[int, float]:
+    """The (step, accuracy) chosen for `target` when evaluation `current` is the first to reach
+    it: `current`, or the evaluation before it when that one's accuracy is nearer the target
+    (`current` on a tie, or when there is none before)."""
+    if previous is not None and abs(previous[1] - target) < abs(current[1] - target):
+        return previous
+    return current
+
+
+def pick_snapshots(
+    curve: list[tuple[int, float]], targets: dict[str, float]
+) -> dict[str, tuple[int, float]]:
+    """`pick_snapshot` for every target over a whole curve of (step, accuracy) evaluations, in
+    order; a target the curve never reaches takes its last evaluation."""
+    picked = {}
+    for name, target in targets.items():
+        first = next((i for i, (_, acc) in enumerate(curve) if acc >= target), None)
+        if first is None:
+            picked[name] = curve[-1]
+        else:
+            picked[name] = pick_snapshot(curve[first - 1] if first else None, curve[first], target)
+    return picked
+
+
+def supervised_snapshots(
+    spec: SFTSpec,
+    train: list[dict[str, str]],
+    test: list[dict[str, str]],
+    tokenizer,
+    log=print,
+    curve: list[tuple[int, float]] | None = None,
+    measure: str = "greedy",
+) -> Iterator[tuple[str, int, float, torch.nn.Module]]:
+    """Cross-entropy on the response tokens (prompts are not predicted), evaluated on `test`
+    every `eval_every` steps; yields (name, step, accuracy, model) for each target as soon as the
+    run decides it (`pick_snapshot`), and stops when every target is decided (or at `max_steps`,
+    where the targets still open take the last model). Every evaluation is appended to `curve`."""
     model = build_tiny_qwen2(spec.model, tokenizer)
-    ids, mask = _encode(rows, tokenizer)
+    ids, mask = _encode(train, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     gen = torch.Generator().manual_seed(spec.model.seed)
-    for step in range(1, snapshots[-1] + 1):
-        model.train()
-        pick = torch.randint(0, ids.shape[0], (spec.batch_size,), generator=gen)
-        batch, target = ids[pick], mask[pick]
-        logits = model(batch).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits[target[:, 1:]], batch[:, 1:][target[:, 1:]])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
+    pending = dict(sorted(spec.targets.items(), key=lambda item: item[1]))
+    previous, previous_model = None, None
+    curve = [] if curve is None else curve
+    for step in range(spec.max_steps + 1):
+        if step:
+            model.train()
+            pick = torch.randint(0, ids.shape[0], (spec.batch_size,), generator=gen)
+            batch, target = ids[pick], mask[pick]
+            logits = model(batch).logits[:, :-1]
+            loss = torch.nn.functional.cross_entropy(
+                logits[target[:, 1:]], batch[:, 1:][target[:, 1:]]
+            )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+        # every step once the run scores a tenth of its lowest open target (it may then climb fast)
+        sparse = previous is None or previous[1] < 0.1 * min(pending.values())
+        if sparse and step % spec.eval_every and step != spec.max_steps:
+            continue
+        model.eval()
+        current = (step, MEASURES[measure](model, test, tokenizer))
+        curve.append(current)
         if step % 50 == 0:
-            log(f"  step {step}/{snapshots[-1]}  loss {loss.item():.3f}")
-        if step in snapshots:
-            model.eval()
-            yield step, model
+            log(f"  step {step}/{spec.max_steps}  held-out accuracy {current[1]:.1%}")
+        for name, goal in list(pending.items()):
+            if current[1] >= goal or step == spec.max_steps:
+                if current[1] < goal:
+                    log(f"  {name}: the run ends at {current[1]:.1%}, below its target {goal:.0%}")
+                chosen = pick_snapshot(previous, current, goal)
+                yield name, *chosen, model if chosen == current else previous_model
+                del pending[name]
+        if not pending:
+            return
+        previous, previous_model = current, copy.deepcopy(model)
 
 
 def _save(path: str, spec: SFTSpec, model, record: dict) -> None:
@@ -174,71 +308,51 @@ def task_dir(task: str, out: str = CACHE_DIR) -> str:
 
 
 def _cached(path: str, wanted: dict) -> dict | None:
-    """The `embedded.json` record of `path` when it matches `wanted` (no task recorded: arithmetic)."""
+    """The `embedded.json` record of `path` when it matches `wanted`."""
     marker = os.path.join(path, "embedded.json")
     if not os.path.isfile(marker):
         return None
     with open(marker) as f:
-        record = {"task": "arithmetic", **json.load(f)}
+        record = json.load(f)
     return record if all(record.get(k) == v for k, v in wanted.items()) else None
 
 
 def build_embedded(
     out: str | None = None, spec: SFTSpec | None = None, log=print, task: str = "arithmetic"
-) -> dict[str, str]:
-    """Build (once) a task's draft and guidance models under `out` (default `task_dir(task)`);
-    returns their paths and accuracies. Both are reused when their records match the spec."""
-    out, spec = out or task_dir(task), spec or PAIRS[task]
-    paths = {name: os.path.join(out, name) for name in ("draft", "guidance")}
-    wanted = {"spec": asdict(spec), "task": task}
+) -> dict[str, str | float]:
+    """Build (once) a task's models under `out` (default `task_dir(task)`), one folder per target
+    of its pair (`draft`, `guidance`, ...); returns their paths and held-out accuracies
+    (`<name>_accuracy`). Reused when every record matches the spec."""
+    out, spec = out or task_dir(task), spec or TASKS[task].pair
+    paths = {name: os.path.join(out, name) for name in spec.targets}
+    wanted = {"spec": asdict(spec), "task": task, "measure": TASKS[task].measure}
     records = {name: _cached(path, wanted) for name, path in paths.items()}
     if all(records.values()):
         return {**paths, **{f"{n}_accuracy": records[n]["test_accuracy"] for n in paths}}
     os.makedirs(out, exist_ok=True)
-    log(f"building the embedded {task} models: {spec.guidance_steps} supervised steps, once "
-        "(a few minutes on 2 cores)...")  # fmt: skip
+    targets = ", ".join(f"{n} {t:.0%}" for n, t in spec.targets.items())
+    log(f"building the embedded {task} models ({TASKS[task].measure} held-out accuracy targets: {targets}), once; "
+        "a few minutes on 2 cores...")  # fmt: skip
     start = time.perf_counter()
     tokenizer = build_char_tokenizer()
-    digits = TASK_DIGITS[task]
-    train, test = arithmetic_split("train", digits=digits), arithmetic_split("test", digits=digits)
-    result = dict(paths)
-    for step, model in supervised_train(spec, train, tokenizer, log):
-        name = "draft" if step == spec.draft_steps else "guidance"
-        accuracy = greedy_accuracy(model, test, tokenizer)
-        _save(paths[name], spec, model, {**wanted, "step": step, "test_accuracy": accuracy})
+    rows = TASKS[task].rows
+    result: dict[str, str | float] = dict(paths)
+    curve: list[tuple[int, float]] = []
+    for name, step, accuracy, model in supervised_snapshots(
+        spec, rows("train"), rows("test"), tokenizer, log, curve, TASKS[task].measure
+    ):
+        record = {**wanted, "step": step, "test_accuracy": accuracy, "target": spec.targets[name],
+                  "curve": list(curve)}  # fmt: skip
+        _save(paths[name], spec, model, record)
         result[f"{name}_accuracy"] = accuracy
-        log(
-            f"  {name} (step {step}): test accuracy {accuracy:.1%} ({time.perf_counter() - start:.0f} s)"
-        )
+        log(f"  {name}: step {step}, held-out accuracy {accuracy:.1%} (target {spec.targets[name]:.0%}, "
+            f"{time.perf_counter() - start:.0f} s)")  # fmt: skip
     return result
-
-
-def build_snapshot(
-    name: str, step: int, out: str | None = None, spec: SFTSpec | None = None, log=print,
-    task: str = "arithmetic",
-) -> dict[str, str | float]:  # fmt: skip
-    """Build (once) the model of the task's supervised run at `step` as `out/name` (e.g. a
-    weaker draft than the pair's); returns its path and greedy test accuracy."""
-    out, spec = out or task_dir(task), spec or PAIRS[task]
-    path = os.path.join(out, name)
-    wanted = {"spec": asdict(spec), "task": task, "step": step}
-    record = _cached(path, wanted)
-    if record:
-        return {"path": path, "accuracy": record["test_accuracy"]}
-    log(f"building the embedded snapshot {name!r}: {step} supervised steps, once...")
-    tokenizer = build_char_tokenizer()
-    digits = TASK_DIGITS[task]
-    train, test = arithmetic_split("train", digits=digits), arithmetic_split("test", digits=digits)
-    for _, model in supervised_train(spec, train, tokenizer, log, snapshots=(step,)):
-        accuracy = greedy_accuracy(model, test, tokenizer)
-        _save(path, spec, model, {**wanted, "test_accuracy": accuracy})
-    log(f"  {name} (step {step}): test accuracy {accuracy:.1%}")
-    return {"path": path, "accuracy": accuracy}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", default="arithmetic", choices=TASKS)
+    parser.add_argument("--task", default="arithmetic", choices=list(TASKS))
     parser.add_argument("--out", default=None, help="default: .cache/embedded[/<task>]")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)

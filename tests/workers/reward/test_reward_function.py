@@ -72,7 +72,8 @@ def test_bad_specs_are_named(tmp_path):
     with pytest.raises(AttributeError, match="defines no function 'fn'"):
         load_reward_function(f"{tmp_path / 'r.py'}:fn")
     with pytest.raises(
-        ValueError, match="unknown reward function 'no_such_builtin'; valid: arithmetic, math"
+        ValueError,
+        match="unknown reward function 'no_such_builtin'; valid: arithmetic, math, runsum",
     ):
         load_reward_function("no_such_builtin")
 
@@ -84,3 +85,19 @@ def test_a_raising_reward_names_the_sample(tmp_path):
     future = FunctionRewardManager(cfg, tok).compute_async(batch(tok, ["42"], ["7"]))
     with pytest.raises(RewardError, match=r"raised ValueError: boom on sample .*'response': '42'"):
         future.result(timeout=30)
+
+
+def test_validation_scores_with_its_own_reward_when_given(tmp_path):
+    """`val_reward_function` replaces the training reward for validation only (a shaped or a
+    diagnostic training reward beside the task's accuracy); unset, validation uses the same."""
+    from verl.trainer.main import val_reward_config
+
+    tok = build_char_tokenizer()
+    (tmp_path / "r.py").write_text("def half(x):\n    return {'overall': 0.5}\n")
+    train = RewardConfig(reward_function=f"{tmp_path / 'r.py'}:half", reward_type="sequential",
+                         val_reward_function="arithmetic")  # fmt: skip
+    data = batch(tok, ["12", "13"], ["12", "12"])
+    assert FunctionRewardManager(train, tok).compute(data)[0].sum().item() == 1.0  # 0.5 + 0.5
+    val = FunctionRewardManager(val_reward_config(train), tok).compute(data)[0]
+    assert val.sum(-1).tolist() == [1.0, 0.0]  # exact match of the answer
+    assert val_reward_config(RewardConfig(reward_function="math")).reward_function == "math"

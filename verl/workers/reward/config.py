@@ -15,7 +15,9 @@ class RewardConfig:
     reward_type: str = "batch"
     """batch: one call scores the whole batch; sequential: one call per response."""
     reward_function: str | None = None
-    """A built-in reward (arithmetic, math) or `path/to/file.py:fn` (None: arithmetic for the embedded task, else math)."""
+    """A built-in reward (arithmetic, runsum, math) or `path/to/file.py:fn` (None: the embedded task's own, else math)."""
+    val_reward_function: str | None = None
+    """The reward validation scores with, same forms (None: `reward_function`), e.g. the accuracy beside a shaped training reward."""
     reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the reward function."""
     skip_special_tokens: bool = True
@@ -27,6 +29,7 @@ class RewardConfig:
         """Fail fast on bad values."""
         check_choice(f"{prefix}.reward_type", self.reward_type, ["batch", "sequential"])
         check_range(f"{prefix}.num_cpus", self.num_cpus, 1)
-        fn = self.reward_function
-        if fn is not None and ".py" in fn and not fn.rsplit(":", 1)[-1].isidentifier():
-            fail(f"{prefix}.reward_function", fn, "expected 'path/to/file.py:function_name'")
+        for key in ("reward_function", "val_reward_function"):
+            fn = getattr(self, key)
+            if fn is not None and ".py" in fn and not fn.rsplit(":", 1)[-1].isidentifier():
+                fail(f"{prefix}.{key}", fn, "expected 'path/to/file.py:function_name'")

@@ -30,6 +30,16 @@ def arithmetic_reward(reward_input: dict) -> dict[str, float]:
     return {"overall": float(response == str(reward_input["ground_truth"]).strip())}
 
 
+@REWARD_FUNCTIONS.register("runsum")
+def runsum_reward(reward_input: dict) -> dict[str, float]:
+    """The embedded `runsum` task's final answer: 1 when the response has the answer's format
+    (as many digits as steps) and its last digit, the final sum, is the answer's, else 0. The
+    steps before it are not compared: one wrong step fails through the sums after it."""
+    response, answer = reward_input["response"].strip(), str(reward_input["ground_truth"]).strip()
+    formatted = len(response) == len(answer) and response.isdigit()
+    return {"overall": float(formatted and response[-1:] == answer[-1:])}
+
+
 @REWARD_FUNCTIONS.register("math")
 def math_reward(reward_input: dict, format_weight: float = 0.0) -> dict[str, float]:
     r"""Accuracy of the last `\boxed{}` answer, checked with math-verify; optional format bonus.
@@ -137,5 +147,5 @@ class FunctionRewardManager:
         return self._pool.submit(self.compute, data)
 
 
-for _fn in (arithmetic_reward, math_reward):
+for _fn in (arithmetic_reward, runsum_reward, math_reward):
     _fn._verl_builtin = True  # built-ins score one response per call
