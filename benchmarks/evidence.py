@@ -1,15 +1,17 @@
 """Evidence: does guidance make the draft learn faster than plain GRPO, and which correction works?
 
-Learning curves on the embedded arithmetic task: held-out greedy accuracy of the draft alone
-against training step and against training seconds, for every cell (a method, or a labelled
-diagnosis variant) x draft strength x seed. Each run is `python -m verl.trainer.main` on
-`examples/grpo_guided.yaml` plus the cell's overrides, in its own process. Finished runs are
-kept (`.cache/evidence/runs/`) and skipped when the script runs again, so an interrupted
-evidence run resumes. Every run's metric log is copied to `benchmarks/results/evidence/logs/`,
-and the table (`results.md`, `results.json`) and plots (`*.png`) are made from those logs alone:
+Learning curves on an embedded task (default `runsum`, the long-horizon one; `--task
+arithmetic` the demo's short one): held-out greedy accuracy of the draft alone against training
+step and against training seconds, for every cell (a method, or a labelled diagnosis variant) x
+draft x seed. Each run is `python -m verl.trainer.main` on `examples/grpo_guided.yaml`, the
+cell's overlays and its overrides, in its own process, at the cell's learning rate tuned on a seed
+that is not reported (`--tune`, once per task; its `tuning.json` is committed). Finished runs are kept (`.cache/evidence/<task>/`) and skipped when the script runs
+again, so an interrupted evidence run resumes. Every run's metric log is copied to
+`benchmarks/results/evidence_<task>/logs/`, and the table (`results.md`, `results.json`) and
+plots (`*.png`) are made from those logs alone:
 
-    make evidence                                      # the whole plan and the TRL side-by-side
-                                                       # (about 90 minutes on 2 cores)
+    .venv/bin/python benchmarks/evidence.py --tune     # once per task (runsum: ~40 minutes)
+    make evidence                                      # the whole plan (runsum: ~60 minutes)
     .venv/bin/python benchmarks/evidence.py --report-only   # table and plots from the logs
     .venv/bin/python benchmarks/evidence.py --cells grpo,spec_exact --seeds 1 --steps 10
 
@@ -31,8 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_CONFIG = ROOT / "examples" / "grpo_guided.yaml"
-RUNS = ROOT / ".cache" / "evidence" / "runs"
-RESULTS = ROOT / "benchmarks" / "results" / "evidence"
+RUNS = ROOT / ".cache" / "evidence"
+RESULTS = ROOT / "benchmarks" / "results"
 G = "worker.rollout.offpolicy_guidance."
 
 
@@ -44,7 +46,12 @@ class Cell:
     label: str
     overrides: tuple[str, ...]
     diagnosis: bool = False
-    drafts: tuple[str, ...] = ("weak", "base")
+    drafts: tuple[str, ...] = ("weak", "base", "student")
+    overlays: tuple[str, ...] = ()
+    """configs/*.yaml merged after the base config, before the overrides."""
+    varies: str = "spec_exact"
+    """A diagnosis cell's learning rate is that of the cell it varies, times `lr_scale`."""
+    lr_scale: float = 1.0
 
 
 SPEC = (f"{G}enable=true", f"{G}mode=speculative", f"{G}lam=0.5", f"{G}lam_schedule=linear",
@@ -60,11 +67,23 @@ CELLS = (
          (f"{G}enable=true", f"{G}lam=0.0", f"{G}lam_schedule=constant",
           "algorithm.adv_estimator=none", "algorithm.distill.coef=1.0")),
     Cell("spec_distill", "speculative + distillation reward (β = 1)", (*SPEC, "algorithm.distill.coef=1.0")),
+    # MENTOR (configs/mentor*.yaml): entropy-gated λ_t, 4 of 8 responses guided, guided responses
+    # credited max(r - unguided mean, 0) with a weight decaying to 0 over the run
+    Cell("mentor", "MENTOR as published (no IS weights)", (f"{G}guided_samples=4",), overlays=("mentor",)),
+    Cell("mentor_exact", "MENTOR with exact IS weights", (f"{G}guided_samples=4",), overlays=("mentor_exact",)),
     # Diagnosis (weak draft only): guidance tokens carry the rewards but weights π_old/μ < 1 cut
     # their share of the update, so: no weights at all, weights floored at 1, and λ kept at 0.5.
     Cell("spec_no_is", "diagnosis: speculative, no importance weights", (*SPEC, "algorithm.tis_level=none"), True, ("weak",)),
     Cell("spec_floor1", "diagnosis: speculative, weights floored at 1", (*SPEC, "algorithm.importance_clamp_min=1.0"), True, ("weak",)),
     Cell("spec_const", "diagnosis: speculative, λ 0.5 constant", (*SPEC, f"{G}lam_schedule=constant"), True, ("weak",)),
+    # Diagnosis of the weak draft's decline under every method: GRPO's updates with no signal at
+    # all (coin-flip rewards at the draft's success rate), and plain GRPO at a tenth of its lr.
+    Cell("noise", "diagnosis: GRPO on coin-flip rewards (no signal)",
+         (f"{G}enable=false", f"worker.reward.reward_function={ROOT / 'benchmarks' / 'noise_reward.py'}:coin",
+          "worker.reward.reward_type=sequential", "worker.reward.val_reward_function=arithmetic"),
+         True, ("weak", "base"), varies="grpo"),
+    Cell("grpo_small_lr", "diagnosis: plain GRPO at a tenth of its lr", (f"{G}enable=false",), True,
+         ("weak", "base"), varies="grpo", lr_scale=0.1),
 )  # fmt: skip
 COMMON = ("data.rollout_batch_size=32", "worker.actor.global_batch_size=128")
 """Every run: 32 prompts x 8 responses a step, two updates of 128 (the demo's recipe at half the
@@ -74,43 +93,62 @@ THRESHOLD_GAIN = 0.20
 """Steps to threshold: the first validation step 20 accuracy points above the draft's start."""
 TUNE_SEED = 99
 """The seed learning rates are tuned on (`--tune`); the table reports seeds 0, 1, 2, ..."""
-TUNE_LRS = (5e-5, 1e-4, 2e-4)
-"""The learning rates `--tune` tries per cell (5e-4 and up drove a draft to 0 in earlier runs)."""
-LR = {"grpo": 1e-4, "spec_exact": 1e-4, "spec_provenance": 1e-4, "spec_luffy": 1e-4, "mix": 1e-4,
-      "distill": 5e-5, "spec_distill": 1e-4}  # fmt: skip
-"""Cell -> its learning rate: the picks of `--tune` (results/evidence/tuning.json; a test keeps
-them equal). Diagnosis cells take speculative-exact's, the cell they vary."""
+TUNE_LRS = {"arithmetic": (5e-5, 1e-4, 2e-4), "runsum": (1e-4, 3e-4)}
+"""Task -> the learning rates `tune` tries per cell (arithmetic: 5e-4 and up drove a draft to 0
+in earlier runs; runsum: two, around the 2e-4 a GRPO probe learned with, to fit the budget)."""
 
 
-def lr_of(cell: Cell) -> float:
-    """The cell's tuned learning rate."""
-    return LR.get(cell.name, LR["spec_exact"])
+def lr_of(cell: Cell, picks: dict[str, float]) -> float:
+    """The cell's tuned learning rate (`picks`: cell -> lr, from tuning.json); a diagnosis cell
+    takes the rate of the cell it varies, times its `lr_scale`."""
+    return picks.get(cell.name, picks[cell.varies]) * cell.lr_scale
 
 
-TRL_RESERVE_S = 360.0
-"""Seconds of the budget kept for the TRL side-by-side at its default 10 steps (install included)."""
-TASK_DRAFTS = {"arithmetic": {"weak": 325, "base": 425}, "arithmetic3": {"weak": 600, "base": 800}}
-"""Task -> draft strength -> the supervised step of the task's embedded run whose weights it is
-(arithmetic3: placeholders, its pair is not calibrated yet; see `verl.utils.embedded.PAIR3`)."""
-DRAFTS = tuple(TASK_DRAFTS["arithmetic"])
+def load_picks(out: Path) -> dict[str, float] | None:
+    """cell -> tuned learning rate from `out/tuning.json` (None: not tuned yet)."""
+    path = out / "tuning.json"
+    if not path.exists():
+        return None
+    return {name: c["pick"] for name, c in json.loads(path.read_text())["cells"].items()}
+
+
+TASK_DRAFTS = {"arithmetic": {"weak": "weak", "base": "draft"}, "runsum": {"student": "draft"}}
+"""Task -> draft label -> the snapshot of the task's embedded pair it is (chosen by held-out
+accuracy targets, `verl.utils.embedded.TASKS`)."""
 TASK_SET = {
     "arithmetic": (),
-    "arithmetic3": ("data.train_files=embedded://arithmetic3@train",
-                    "data.val_files=embedded://arithmetic3@test",
-                    "data.max_prompt_length=10", "data.max_response_length=6"),
+    "runsum": ("data.train_files=embedded://runsum@train", "data.val_files=embedded://runsum@test",
+               "data.max_prompt_length=21", "data.max_response_length=21",
+               "worker.rollout.val_override_config.temperature=1.0", "worker.rollout.val_override_config.n=4"),
 }  # fmt: skip
-"""Task -> the keys every run of it adds (data and lengths; the base config is arithmetic's)."""
+"""Task -> the keys every run of it adds (data, lengths, validation; the base config is
+arithmetic's). runsum validates as its models were chosen: sampling at T = 1 (4 per prompt)."""
+TASK_CELLS = {
+    "arithmetic": tuple(
+        c.name for c in CELLS if c.overlays == () and c.name not in ("noise", "grpo_small_lr")
+    ),
+    "runsum": ("grpo", "spec_exact", "mentor", "mentor_exact", "mix", "distill", "spec_distill"),
+}
+"""Task -> the cells `make evidence` runs on it (`--cells` picks others)."""
+TUNE_DRAFT = {"arithmetic": "base", "runsum": "student"}
+MEASURE = {"arithmetic": "greedy", "runsum": "sampled at T = 1, 4 per prompt"}
+"""Task -> how its validation measures accuracy."""
+"""Task -> the draft learning rates are tuned from."""
 DIAGNOSTICS = ("guidance/offpolicy_token_ratio", "guidance/guided_grad_share",
                "guidance/guided_is_weight_mean", "guidance/guided_is_clip_frac",
                "guidance/guided_score_gap", "guidance/guided_seq_score",
-               "guidance/unguided_seq_score")  # fmt: skip
+               "guidance/unguided_seq_score", "guidance/subset_guided_score",
+               "guidance/subset_unguided_score", "guidance/lambda_mean")  # fmt: skip
 
 
 def run_args(cell: Cell, draft: str, guidance: str, seed: int, steps: int, val_freq: int,
              run_dir: Path, extra: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
-    """The command line of one run."""
+    """The command line of one run (a MENTOR cell's guidance weight decays over the run)."""
+    overlays = [f"config={ROOT / 'configs' / f'{name}.yaml'}" for name in cell.overlays]
+    if cell.overlays and cell.name.startswith("mentor"):
+        extra = (f"algorithm.guided_advantage_decay_steps={steps}", *extra)
     return [
-        sys.executable, "-m", "verl.trainer.main", f"config={BASE_CONFIG}",
+        sys.executable, "-m", "verl.trainer.main", f"config={BASE_CONFIG}", *overlays,
         f"worker.actor.model.model_path={draft}", f"{G}model_path={guidance}",
         f"data.seed={seed}", f"worker.rollout.seed={seed}", f"trainer.max_steps={steps}",
         f"trainer.val_freq={val_freq}", "trainer.val_before_train=true", "trainer.logger=[file]",
@@ -160,7 +198,7 @@ def summarize(logs: dict[tuple[str, str, int], list[dict]], steps: int) -> list[
     """One row per (draft, cell): final accuracy mean, std and range over seeds, steps to the
     threshold (the draft's start + `THRESHOLD_GAIN`), seconds per step, diagnostics."""
     table = []
-    for draft in DRAFTS:
+    for draft in dict.fromkeys(d for d, _, _ in sorted(logs)):
         for cell in CELLS:
             runs = [
                 (seed, rows)
@@ -197,9 +235,9 @@ def _num(x: float | None, fmt: str) -> str:
     return "—" if x is None else format(x, fmt)
 
 
-def markdown(table: list[dict], steps: int) -> str:
+def markdown(table: list[dict], steps: int, task: str = "arithmetic") -> str:
     """The results table, then the diagnostics of the guided cells."""
-    lines = [f"Held-out greedy accuracy of the draft alone (500 test sums), {steps} steps; mean ± std "
+    lines = [f"Held-out accuracy of the draft alone (500 test prompts; {MEASURE[task]}), {steps} steps; mean ± std "
              f"over seeds [min-max]; steps to threshold = first validation step at least {100 * THRESHOLD_GAIN:.0f} "
              "points above the draft's start (mean over the seeds that reached it; n/N reached).", "",
              "| draft | cell | seeds | start % | final % | steps to threshold | s/step |",
@@ -231,7 +269,7 @@ def markdown(table: list[dict], steps: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(table: list[dict], out: Path) -> list[Path]:
+def plot(table: list[dict], out: Path, task: str) -> list[Path]:
     """Per draft: accuracy against step and against training seconds, mean line and min-max band."""
     import matplotlib
 
@@ -239,7 +277,7 @@ def plot(table: list[dict], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     written = []
-    for draft in DRAFTS:
+    for draft in dict.fromkeys(r["draft"] for r in table):
         rows = [r for r in table if r["draft"] == draft]
         if not rows:
             continue
@@ -257,7 +295,7 @@ def plot(table: list[dict], out: Path) -> list[Path]:
         axes[1].set_xlabel("training seconds (sum of step times, mean over seeds)")
         axes[0].set_ylabel("held-out greedy accuracy of the draft, %")
         axes[1].legend(fontsize=7, loc="lower right")
-        fig.suptitle(f"Embedded arithmetic, {draft} draft: mean over seeds, band = min-max")
+        fig.suptitle(f"Embedded {task}, {draft} draft: mean over seeds, band = min-max")
         fig.tight_layout()
         path = out / f"accuracy_{draft}.png"
         fig.savefig(path, dpi=110)
@@ -274,13 +312,13 @@ def load_logs(out: Path) -> dict[tuple[str, str, int], list[dict]]:
     return logs
 
 
-def report(out: Path, steps: int) -> str:
+def report(out: Path, steps: int, task: str) -> str:
     """Writes results.json, results.md and the plots from the copied logs; returns the table."""
     table = summarize(load_logs(out), steps)
     (out / "results.json").write_text(json.dumps(table, indent=1))
-    text = markdown(table, steps)
+    text = markdown(table, steps, task)
     (out / "results.md").write_text(text)
-    plot(table, out)
+    plot(table, out, task)
     return text
 
 
@@ -308,9 +346,10 @@ def run_once(args: list[str], run_dir: Path, dest: Path, steps: int) -> bool:
 
 
 def run_plan(models: dict[str, str], guidance: str, cells: list[Cell], seeds: int, steps: int,
-             val_freq: int, out: Path, runs: Path, budget_s: float, extra: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
+             val_freq: int, out: Path, runs: Path, budget_s: float, picks: dict[str, float],
+             extra: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
     """Runs every (seed, draft, cell) not already complete, seed by seed, each at its cell's
-    tuned learning rate, until the budget is spent; returns the runs left out."""
+    tuned learning rate (`picks`), until the budget is spent; returns the runs left out."""
     start, skipped = time.perf_counter(), []
     for seed in range(seeds):
         for draft, path in models.items():
@@ -320,7 +359,7 @@ def run_plan(models: dict[str, str], guidance: str, cells: list[Cell], seeds: in
                     continue
                 run_dir = runs / draft / cell.name / f"seed{seed}"
                 args = run_args(cell, path, guidance, seed, steps, val_freq, run_dir,
-                                (f"worker.actor.optim.lr={lr_of(cell)}", *extra))  # fmt: skip
+                                (f"worker.actor.optim.lr={lr_of(cell, picks)}", *extra))  # fmt: skip
                 run_once(
                     args, run_dir, out / "logs" / draft / cell.name / f"seed{seed}.jsonl", steps
                 )
@@ -328,15 +367,15 @@ def run_plan(models: dict[str, str], guidance: str, cells: list[Cell], seeds: in
 
 
 def tune(draft: str, guidance: str, cells: list[Cell], steps: int, val_freq: int, out: Path,
-         runs: Path, extra: tuple[str, ...] = (), label: str = "base") -> dict:  # fmt: skip
-    """Every main cell at every `TUNE_LRS` on `TUNE_SEED` (never reported), from `draft`; the
+         runs: Path, lrs: tuple[float, ...], extra: tuple[str, ...] = (), label: str = "base") -> dict:  # fmt: skip
+    """Every main cell at every rate of `lrs` on `TUNE_SEED` (never reported), from `draft`; the
     pick per cell is the learning rate with the highest mean held-out accuracy over the
     validation steps after 0 (the area under its learning curve: fast learning is the question).
     Writes tuning.json and tuning.md under `out`; returns the json."""
-    result = {"seed": TUNE_SEED, "draft": label, "steps": steps, "lrs": list(TUNE_LRS), "cells": {}}
+    result = {"seed": TUNE_SEED, "draft": label, "steps": steps, "lrs": list(lrs), "cells": {}}
     for cell in (c for c in cells if not c.diagnosis):
         scores = {}
-        for lr in TUNE_LRS:
+        for lr in lrs:
             run_dir = runs / cell.name / f"lr{lr:g}"
             args = run_args(cell, draft, guidance, TUNE_SEED, steps, val_freq, run_dir,
                             (f"worker.actor.optim.lr={lr}", *extra))  # fmt: skip
@@ -357,81 +396,88 @@ def tuning_markdown(result: dict) -> str:
     """tuning.md: each cell's score at every learning rate tried, and its pick."""
     lines = [f"Learning rate per cell, tuned on seed {result['seed']} (not reported) from the {result['draft']} "
              f"draft, {result['steps']} steps: mean held-out accuracy (%) over the validation steps after 0.", "",
-             "| cell | " + " | ".join(f"lr {lr:g}" for lr in TUNE_LRS) + " | pick |",
-             "| --- |" + " --- |" * (len(TUNE_LRS) + 1)]  # fmt: skip
+             "| cell | " + " | ".join(f"lr {lr:g}" for lr in result["lrs"]) + " | pick |",
+             "| --- |" + " --- |" * (len(result["lrs"]) + 1)]  # fmt: skip
     for r in result["cells"].values():
-        row = [r["label"], *(_pct(r["scores"][f"{lr:g}"]) for lr in TUNE_LRS), f"{r['pick']:g}"]
+        row = [
+            r["label"],
+            *(_pct(r["scores"][f"{lr:g}"]) for lr in result["lrs"]),
+            f"{r['pick']:g}",
+        ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 
-def build_models(task: str, drafts: list[str]) -> tuple[dict[str, str], str]:
-    """The task's drafts (draft name -> path; snapshots built once) and its guidance path."""
-    from verl.utils.embedded import PAIRS, build_embedded, build_snapshot
+def build_models(task: str, drafts: list[str]) -> tuple[dict[str, str], str, dict[str, float]]:
+    """The task's drafts (label -> path), its guidance path and every model's held-out accuracy
+    (built once, `verl.utils.embedded.build_embedded`)."""
+    from verl.utils.embedded import build_embedded
 
     pair = build_embedded(task=task)
-    models = {}
-    for draft in drafts:
-        step = TASK_DRAFTS[task][draft]
-        if step == PAIRS[task].draft_steps:
-            models[draft] = pair["draft"]
-        else:
-            models[draft] = str(build_snapshot(f"draft_step{step}", step, task=task)["path"])
-    return models, pair["guidance"]
+    names = TASK_DRAFTS[task]
+    accuracy = {d: pair[f"{names[d]}_accuracy"] for d in drafts}
+    accuracy["guidance"] = pair["guidance_accuracy"]
+    return {d: str(pair[names[d]]) for d in drafts}, str(pair["guidance"]), accuracy
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", default="runsum", choices=tuple(TASK_DRAFTS))
     parser.add_argument(
-        "--cells", default=",".join(CELL_NAMES), help=f"of: {', '.join(CELL_NAMES)}"
+        "--cells", default=None, help=f"of: {', '.join(CELL_NAMES)} (default: the task's)"
     )
-    parser.add_argument("--drafts", default=",".join(DRAFTS), help=f"of: {', '.join(DRAFTS)}")
+    parser.add_argument("--drafts", default=None, help="default: every draft of the task")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--val-freq", type=int, default=5)
     parser.add_argument("--budget-min", type=float, default=90.0, help="start no run after this")
-    parser.add_argument("--task", default="arithmetic", choices=tuple(TASK_DRAFTS))
-    parser.add_argument("--out", type=Path, default=None, help="default: results/evidence[_task]")
-    parser.add_argument(
-        "--runs", type=Path, default=None, help="default: .cache/evidence/runs[/task]"
-    )
+    parser.add_argument("--out", type=Path, default=None, help="default: results/evidence_<task>")
+    parser.add_argument("--runs", type=Path, default=None, help="default: .cache/evidence/<task>")
     parser.add_argument("--report-only", action="store_true", help="table and plots from the logs")
     parser.add_argument("--set", nargs="*", default=[], help="key=value added to every run")
-    parser.add_argument("--trl-steps", type=int, default=10, help="TRL side-by-side (0: skip)")
+    parser.add_argument("--trl-steps", type=int, default=0, help="TRL side-by-side steps (0: skip)")
     parser.add_argument("--tune", action="store_true",
-                        help=f"tune each cell's lr on seed {TUNE_SEED} (base draft) and stop")  # fmt: skip
+                        help=f"(re)tune each cell's lr on seed {TUNE_SEED} and stop")  # fmt: skip
     args = parser.parse_args(argv)
-    cells = [c for c in CELLS if c.name in args.cells.split(",")]
-    unknown = set(args.cells.split(",")) - set(CELL_NAMES)
-    bad_drafts = set(args.drafts.split(",")) - set(DRAFTS)
+    names = (args.cells or ",".join(TASK_CELLS[args.task])).split(",")
+    drafts = (args.drafts or ",".join(TASK_DRAFTS[args.task])).split(",")
+    unknown = set(names) - set(CELL_NAMES)
+    bad_drafts = set(drafts) - set(TASK_DRAFTS[args.task])
     if unknown or bad_drafts:
         parser.error(f"--cells {sorted(unknown)} / --drafts {sorted(bad_drafts)} not valid; "
-                     f"valid cells: {', '.join(CELL_NAMES)}; drafts: {', '.join(DRAFTS)}")  # fmt: skip
-    default = args.task == "arithmetic"
-    args.out = args.out or (RESULTS if default else RESULTS.parent / f"evidence_{args.task}")
-    args.runs = args.runs or (RUNS if default else RUNS / args.task)
+                     f"valid cells: {', '.join(CELL_NAMES)}; drafts: {', '.join(TASK_DRAFTS[args.task])}")  # fmt: skip
+    cells = [c for c in CELLS if c.name in names]
+    args.out = args.out or RESULTS / f"evidence_{args.task}"
+    args.runs = args.runs or RUNS / args.task
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.tune:
-        models, guidance = build_models(args.task, ["base"])
-        label = f"base (supervised step {TASK_DRAFTS[args.task]['base']})"
-        result = tune(models["base"], guidance, cells, args.steps, args.val_freq, args.out,
-                      RUNS.parent / "tune" / args.task, (*TASK_SET[args.task], *args.set), label)  # fmt: skip
-        print((args.out / "tuning.md").read_text())
-        print("LR = " + repr({k: v["pick"] for k, v in result["cells"].items()}))
-        return 0
+    extra = (*TASK_SET[args.task], *args.set)
+    picks = load_picks(args.out)
+    if picks is None and not (args.tune or args.report_only):
+        parser.error(f"{args.out / 'tuning.json'} is missing: tune the learning rates first, "
+                     f"benchmarks/evidence.py --task {args.task} --tune (its picks are then committed)")  # fmt: skip
     if not args.report_only:
-        models, guidance = build_models(args.task, args.drafts.split(","))
-        reserve = TRL_RESERVE_S if args.trl_steps else 0.0
+        start = time.perf_counter()
+        models, guidance, accuracy = build_models(args.task, drafts)
+        if args.tune:
+            draft = TUNE_DRAFT[args.task]
+            models_t, _, acc_t = build_models(args.task, [draft])
+            label = f"{draft} ({100 * acc_t[draft]:.1f} % held-out)"
+            result = tune(models_t[draft], guidance, cells, args.steps, args.val_freq, args.out,
+                          args.runs / "tune", TUNE_LRS[args.task], extra, label)  # fmt: skip
+            print((args.out / "tuning.md").read_text())
+            print("picks: " + repr({k: v["pick"] for k, v in result["cells"].items()}))
+            return 0
+        (args.out / "models.json").write_text(json.dumps(accuracy, indent=1))
+        budget = 60 * args.budget_min - (time.perf_counter() - start)
         skipped = run_plan(models, guidance, cells, args.seeds, args.steps, args.val_freq, args.out,
-                           args.runs, 60 * args.budget_min - reserve,
-                           (*TASK_SET[args.task], *args.set))  # fmt: skip
+                           args.runs, budget, picks, extra)  # fmt: skip
         if skipped:
             print(f"budget spent; not run: {', '.join(skipped)}")
-        if args.trl_steps:  # TRL's GRPOTrainer beside our plain GRPO, in this same run
+        if args.trl_steps:  # TRL's GRPOTrainer beside our plain GRPO (the arithmetic task)
             script = ROOT / "benchmarks" / "trl_side_by_side.py"
             subprocess.run([sys.executable, str(script), "--steps", str(args.trl_steps),
-                            "--out", str(args.out.parent)], cwd=ROOT, check=True)  # fmt: skip
-    print(report(args.out, args.steps))
+                            "--out", str(RESULTS)], cwd=ROOT, check=True)  # fmt: skip
+    print(report(args.out, args.steps, args.task))
     return 0
 
 

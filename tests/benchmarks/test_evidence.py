@@ -72,7 +72,7 @@ def test_report_from_copied_logs_writes_table_and_plots(tmp_path):
         path = tmp_path / "logs" / "base" / "grpo" / f"seed{seed}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(json.dumps(r) for r in log({0: 0.3, 2: acc}, 1.0)) + "\n")
-    text = E.report(tmp_path, steps=2)
+    text = E.report(tmp_path, steps=2, task="arithmetic")
     assert "| base | plain GRPO (guidance off) | 2 |" in text
     assert (tmp_path / "results.md").read_text() == text
     assert json.loads((tmp_path / "results.json").read_text())[0]["seeds"] == [0, 1]
@@ -154,7 +154,7 @@ def test_tune_picks_the_lr_with_the_best_mean_accuracy_after_step_0(tmp_path, mo
     cells = [
         c for c in E.CELLS if c.name in ("grpo", "mix", "spec_no_is")
     ]  # a diagnosis cell: not tuned
-    result = E.tune("/d", "/g", cells, 4, 2, tmp_path, tmp_path / "runs")
+    result = E.tune("/d", "/g", cells, 4, 2, tmp_path, tmp_path / "runs", (5e-5, 1e-4, 2e-4))
     assert set(result["cells"]) == {"grpo", "mix"}
     assert result["cells"]["grpo"]["scores"]["0.0001"] == pytest.approx(0.51)
     assert result["cells"]["grpo"]["pick"] == 1e-4 and result["cells"]["mix"]["pick"] == 5e-5
@@ -165,11 +165,13 @@ def test_tune_picks_the_lr_with_the_best_mean_accuracy_after_step_0(tmp_path, mo
     )
 
 
-def test_each_cell_runs_at_the_committed_tuned_lr(tmp_path):
-    tuning = json.loads((E.RESULTS / "tuning.json").read_text())
-    assert tuning["seed"] == E.TUNE_SEED and tuning["lrs"] == list(E.TUNE_LRS)
-    assert E.LR == {name: r["pick"] for name, r in tuning["cells"].items()}
+def test_committed_tuning_matches_the_picks_the_runs_use():
+    out = E.RESULTS / "evidence_arithmetic"
+    tuning = json.loads((out / "tuning.json").read_text())
+    assert tuning["seed"] == E.TUNE_SEED and tuning["lrs"] == list(E.TUNE_LRS["arithmetic"])
+    assert E.load_picks(out) == {name: r["pick"] for name, r in tuning["cells"].items()}
     assert tuning["seed"] not in range(3)  # never one of the reported seeds
+    assert E.load_picks(out.parent / "no_such_task") is None  # not tuned: make evidence tunes
 
 
 def test_run_plan_runs_each_cell_at_its_tuned_lr(tmp_path, monkeypatch):
@@ -177,11 +179,27 @@ def test_run_plan_runs_each_cell_at_its_tuned_lr(tmp_path, monkeypatch):
     monkeypatch.setattr(
         E, "run_once", lambda args, run_dir, dest, steps: seen.setdefault(run_dir.parent.name, args)
     )
-    monkeypatch.setattr(E, "LR", {**E.LR, "grpo": 5e-5, "spec_exact": 2e-4})
-    E.run_plan({"weak": "/d"}, "/g", list(E.CELLS), 1, 4, 2, tmp_path, tmp_path / "runs", 1e9)
+    picks = {"grpo": 5e-5, "spec_exact": 2e-4, "mix": 1e-4, "mentor": 3e-4}
+    E.run_plan(
+        {"weak": "/d"}, "/g", list(E.CELLS), 1, 4, 2, tmp_path, tmp_path / "runs", 1e9, picks
+    )
     lrs = {
         c: float(next(a for a in args if "optim.lr=" in a).split("=")[1])
         for c, args in seen.items()
     }
-    assert lrs["grpo"] == 5e-5 and lrs["spec_exact"] == 2e-4 and lrs["mix"] == E.LR["mix"]
+    assert lrs["grpo"] == 5e-5 and lrs["spec_exact"] == 2e-4 and lrs["mix"] == 1e-4
     assert lrs["spec_no_is"] == 2e-4  # a diagnosis cell takes the lr of the cell it varies
+    assert lrs["mentor"] == 3e-4
+
+
+def test_mentor_cells_load_their_overlay_and_decay_over_the_run(tmp_path):
+    from verl.trainer.config import load_config
+
+    cell = next(c for c in E.CELLS if c.name == "mentor_exact")
+    args = E.run_args(cell, "/d", "/g", 0, 30, 5, tmp_path, E.TASK_SET["runsum"])
+    config = load_config(args[3:])
+    guidance = config.worker.rollout.offpolicy_guidance
+    assert guidance.lam_gate == "entropy" and guidance.guided_samples == 4
+    assert config.algorithm.guided_advantage == "mentor" and config.algorithm.tis_level == "token"
+    assert config.algorithm.guided_advantage_decay_steps == 30  # the run's length
+    assert config.data.max_response_length == 21
