@@ -73,7 +73,11 @@ def summarize(run_dir: str, config) -> str:
         ]  # fmt: skip
     if any("distill/reverse_kl" in r for r in train):
         lines.append(f"{'reverse KL to the guidance (first -> last)':45s} {first_last('distill/reverse_kl', '.3f')}")  # fmt: skip
-    lines += [f"{'run folder':45s} {run_dir}", "plots:", *(f"  {p}" for p in plots)]
+    lines += [
+        f"{'run folder':45s} {run_dir}",
+        "plots:",
+        *(f"  {p}" for p in plots),
+    ]
     return "\n".join(lines)
 
 
@@ -81,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from verl.trainer.config import ConfigError, load_config
     from verl.trainer.main import TrainingInterrupted, prepare, run
     from verl.utils.embedded import build_embedded
+    from verl.utils.worker_logs import WORKER_LOG_ENV
 
     args = sys.argv[1:] if argv is None else argv
     start = time.perf_counter()
@@ -95,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError, KeyError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    logs = os.path.join(config.trainer.save_checkpoint_path, "worker_logs")
+    os.environ.setdefault(WORKER_LOG_ENV, logs)  # the engines' output to files, not the console
+    print(
+        f"training: progress below; the workers' full output goes to {os.environ[WORKER_LOG_ENV]}/"
+    )
     try:
         run(prepared)
     except TrainingInterrupted as stop:

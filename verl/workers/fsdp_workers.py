@@ -30,6 +30,7 @@ from verl.utils.fsdp_utils import (
     release_cuda_cache,
 )
 from verl.utils.shared_tensors import SharedTensors, to_shared
+from verl.utils.worker_logs import redirect_worker_output
 from verl.workers.actor.config import OptimConfig
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.config import WorkerConfig
@@ -66,6 +67,7 @@ class FSDPWorker:
     initial policy) or 'actor_ref' (both in one process, the colocated layout)."""
 
     def __init__(self, config: WorkerConfig, role: str, rank: int, world_size: int) -> None:
+        redirect_worker_output(f"{role}{rank}")
         if role not in ROLES:
             raise ValueError(f"role {role!r} is not valid; valid: {', '.join(ROLES)}")
         self.config, self.role, self.rank, self.world_size = config, role, rank, world_size

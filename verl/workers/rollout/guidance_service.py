@@ -15,6 +15,7 @@ import queue
 import threading
 from multiprocessing.connection import Listener, wait
 
+from verl.utils.worker_logs import redirect_worker_output
 from verl.workers.rollout.guidance_server import _Server, answer_one
 
 
@@ -24,6 +25,7 @@ class GuidanceService:
 
     def __init__(self, llm_kwargs: dict, num_clients: int, threads: int | None = None,
                  shares_gpu: bool = True) -> None:  # fmt: skip
+        redirect_worker_output("guidance")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         import ray
 

@@ -15,6 +15,7 @@ from ray.util.queue import Queue
 
 from verl.protocol import DataProto
 from verl.utils.shared_tensors import from_shared
+from verl.utils.worker_logs import redirect_worker_output
 from verl.workers.placement import Placement
 from verl.workers.rollout.config import RolloutConfig
 
@@ -24,6 +25,7 @@ class RolloutWorker:
 
     def __init__(self, model_path: str, config: RolloutConfig, num_replicas: int = 1,
                  own_guidance: bool = True) -> None:  # fmt: skip
+        redirect_worker_output("rollout")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not torch.cuda.is_available() and num_replicas > 1:  # CPU: the replicas share the cores
             cores = max(1, len(os.sched_getaffinity(0)) // num_replicas)
