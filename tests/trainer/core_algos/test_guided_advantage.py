@@ -236,7 +236,9 @@ def test_mentor_single_unguided_response_has_no_baseline():
         out = _mentor(
             rewards, mask, _uids("c", "c", "c"), guided, 0.5, norm_adv_by_std_in_grpo=norm
         )
-        torch.testing.assert_close(out, _t([[0.3, 0.0], [0.25, 0.25], [0.0, 0.0]]), rtol=0, atol=1e-15)
+        torch.testing.assert_close(
+            out, _t([[0.3, 0.0], [0.25, 0.25], [0.0, 0.0]]), rtol=0, atol=1e-15
+        )
 
 
 def test_mentor_accepts_integer_and_list_guided_flags():
