@@ -152,7 +152,7 @@ def start_ray(config: PPOConfig) -> None:
         env["env_vars"][WORKER_LOG_ENV] = os.environ[WORKER_LOG_ENV]
     ray.init(num_cpus=max(os.cpu_count() or 1, workers + 1), include_dashboard=False,
              runtime_env=env, log_to_driver=not quiet,
-             logging_level=logging.WARNING if quiet else logging.INFO)  # fmt: skip
+             logging_level=logging.ERROR if quiet else logging.INFO)  # fmt: skip
 
 
 class TrainingInterrupted(Exception):

@@ -14,6 +14,7 @@ left-padded to `max_prompt_length`; longer prompts are dropped and counted (or r
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,6 +147,8 @@ def build_dataloader(
     """A `torchdata` StatefulDataLoader: its state_dict() resumes the same order mid-epoch."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
+    # torchdata's own call to a deprecated torch API warns at every epoch; nothing a user can act on
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
     tok = dataset.encoder.tokenizer
     return StatefulDataLoader(
         dataset, batch_size=min(batch_size, len(dataset)) if batch_size > 0 else len(dataset),
