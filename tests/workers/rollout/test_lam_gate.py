@@ -8,14 +8,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_speculative import (
-    P_CHAIN,
-    Q_CHAIN,
-    ListedChainScorer,
-    ListedChainStepper,
-    V,
-    _chi2_ok,
-)
+from speculative_helpers import _chi2_ok
+from test_speculative import P_CHAIN, Q_CHAIN, ListedChainScorer, ListedChainStepper, V
 
 from verl.trainer.core_algos.guidance import (
     LAM_GATES,

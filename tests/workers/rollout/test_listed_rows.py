@@ -1,15 +1,25 @@
-"""`ListedRows` at engine scale: the sorted lookup against a brute-force comparison, and
-`verify_listed` at a real vocabulary's top-K within O(N·K) memory."""
+"""The engines' tables (`process_log_probs`, `TopK`, `ListedRows`) and `verify_listed` on them:
+hand values, the sorted lookup against a brute-force comparison, `verify_listed` against the
+torch reference and at a real vocabulary's top-K within O(N·K) memory."""
 
 from __future__ import annotations
 
+import math
 import tracemalloc
 
 import numpy as np
 import pytest
 import torch
+from scipy.stats import chisquare
+from speculative_helpers import D, RecordingProbe, _chi2_ok, _rows
 
-from verl.workers.rollout.speculative import ListedRows, verify_listed
+from verl.workers.rollout.speculative import (
+    ListedRows,
+    TopK,
+    process_log_probs,
+    verify_listed,
+    verify_proposals,
+)
 
 NEG_INF = float("-inf")
 
@@ -145,3 +155,320 @@ def test_verify_listed_at_a_real_vocabulary_stays_within_o_nk_memory(draft_top):
     np.testing.assert_allclose(
         out.draft_log_probs[:, 0].numpy(), log_p[rows, y].astype(np.float32), rtol=1e-6
     )
+
+
+def test_process_log_probs_hand_values():
+    logits = torch.tensor([math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)], dtype=D)
+    # temperature 0.5 squares then renormalises: [.25, .09, .0225, .0025] / .365
+    expected_t = torch.tensor([0.25, 0.09, 0.0225, 0.0025], dtype=D) / 0.365
+    torch.testing.assert_close(process_log_probs(logits, 0.5).exp(), expected_t)
+    # top-k 2: [.5, .3] / .8 = [.625, .375]
+    torch.testing.assert_close(
+        process_log_probs(logits, top_k=2).exp(), torch.tensor([0.625, 0.375, 0, 0], dtype=D)
+    )
+    # top-p 0.7: mass before each (descending) = 0, .5, .8, .95 -> keep the first two -> [.625, .375]
+    torch.testing.assert_close(
+        process_log_probs(logits, top_p=0.7).exp(), torch.tensor([0.625, 0.375, 0, 0], dtype=D)
+    )
+    # top-p 0.5: only the top token (mass before the second is exactly 0.5)
+    torch.testing.assert_close(
+        process_log_probs(logits, top_p=0.5).exp(), torch.tensor([1.0, 0, 0, 0], dtype=D)
+    )
+
+
+def test_topk_dedupe_lookup_and_tail_mass_hand_values():
+    # vLLM lists the sampled token first and again inside the top-K: token 3 appears twice
+    ids = torch.tensor([[[3, 1, 3, 0]]])
+    lps = torch.tensor([[[0.2, 0.5, 0.2, 0.1]]], dtype=D).log()
+    table = TopK.dedupe(ids, lps)
+    assert table.log_probs[0, 0, 2] == float("-inf") and table.log_probs[0, 0, 0] == lps[0, 0, 0]
+    found = table.lookup(torch.tensor([[[3, 1, 2]]])).exp()  # token 2 is not listed: p = 0
+    torch.testing.assert_close(found, torch.tensor([[[0.2, 0.5, 0.0]]], dtype=D))
+    # listed mass 0.2 + 0.5 + 0.1 = 0.8 (the repeat counts once): tail 0.2
+    torch.testing.assert_close(table.tail_mass(), torch.tensor([[0.2]], dtype=D))
+
+
+def test_listed_rows_topk_and_tail_mass_hand_values():
+    # S is the top-K columns (1..): column 0 is the row's own token, counted only through a
+    # top-K repeat. Row 0: token 3 listed twice (sampled + top-K): Q_S = 0.5 + 0.2 + 0.1 = 0.8,
+    # tail 0.2. Row 1: column 0 (token 7, 0.05) is not in S: Q_S = 0.6 + 0.2 + 0.1 = 0.9, tail 0.1
+    # (not 1 - 0.95). Row 2 lists more than all the mass (rounding): the tail clips at 0.
+    rows = _rows([[3, 1, 3, 0], [7, 1, 3, 0], [1, 1, 2, 0]],
+                 [[0.2, 0.5, 0.2, 0.1], [0.05, 0.6, 0.2, 0.1], [0.7, 0.7, 0.2, 0.1 + 1e-9]])  # fmt: skip
+    np.testing.assert_allclose(rows.topk_mass(), [0.8, 0.9, 1.0 + 1e-9], rtol=1e-12)
+    np.testing.assert_allclose(rows.tail_mass(), [0.2, 0.1, 0.0], rtol=1e-12, atol=1e-15)
+    # in_topk: token 3 is in row 0's S (its repeat), 7 is only row 1's column 0, 2 is in row 2's S
+    assert rows.in_topk(np.array([3, 7, 2])).tolist() == [True, False, True]
+    assert rows.in_topk(np.array([4, 1, 0])).tolist() == [False, True, True]
+
+
+def test_listed_rows_lists_support_only_through_a_real_zero():
+    """A row lists its whole support when its top-K lists a token of probability 0 (top-k or
+    top-p cut inside the list): then an unlisted token has probability exactly 0. A repeat of
+    column 0 read -inf (a de-duplicated row) is no such zero."""
+    cut = _rows([[0, 0, 1, 2]], [[0.625, 0.625, 0.375, 0.0]])  # top-p 0.7 of [.5, .3, .1, ...]
+    whole = _rows([[0, 0, 1, 2]], [[0.5, 0.5, 0.3, 0.1]])  # 0.1 of the mass is elsewhere
+    repeat = _rows([[3, 1, 3, 0]], [[0.2, 0.5, 0.0, 0.1]])  # token 3's repeat at -inf
+    assert cut.lists_support().tolist() == [True]
+    assert whole.lists_support().tolist() == [False]
+    assert repeat.lists_support().tolist() == [False]
+    # knows: listed tokens everywhere; an unlisted 7 only where the row lists its support
+    queries = np.array([[0, 2, 7]])
+    assert cut.knows(queries).tolist() == [[True, True, True]]
+    assert whole.knows(queries).tolist() == [[True, True, False]]
+    assert repeat.knows(np.array([[3, 0, 7]])).tolist() == [[True, True, False]]
+
+
+def test_listed_rows_topk_reads_a_repeat_at_its_value():
+    # row 0 lists token 3 first (0.2) and again in its top-3; topk gives the top-3 columns with
+    # token 3 at 0.2, also where the repeat itself reads -inf (a de-duplicated row)
+    rows = _rows([[3, 1, 3, 0], [2, 5, 1, 4]], [[0.2, 0.5, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]])
+    deduped = ListedRows(rows.ids, rows.deduped())
+    assert np.isneginf(deduped.log_probs[0, 2])
+    for listed in (rows, deduped):
+        ids, values = listed.topk()
+        assert ids.tolist() == [[1, 3, 0], [5, 1, 4]]
+        np.testing.assert_allclose(np.exp(values), [[0.5, 0.2, 0.1], [0.3, 0.2, 0.1]], rtol=1e-12)
+        # lookup reads a repeat at its finite value too (the larger of its two entries)
+        np.testing.assert_allclose(listed.lookup(np.array([[3], [2]]))[:, 0], np.log([0.2, 0.4]),
+                                   rtol=1e-12)  # fmt: skip
+
+
+def test_listed_rows_take_and_lookup_one_hand_values():
+    rows = _rows([[3, 1, 3, 0], [2, 2, 5, 1]], [[0.2, 0.5, 0.2, 0.1], [0.4, 0.4, 0.3, 0.2]])
+    # token 3 in row 0 and token 2 in row 1 repeat their column 0: the repeats read -inf
+    deduped = rows.deduped()
+    assert np.isneginf(deduped[0, 2]) and np.isneginf(deduped[1, 1])
+    assert rows.deduped() is deduped  # computed once
+    # lookup_one: one token per row, the same values as lookup; 7 is not listed in row 1
+    tokens = np.array([3, 7])
+    np.testing.assert_array_equal(rows.lookup_one(tokens), rows.lookup(tokens[:, None])[:, 0])
+    np.testing.assert_allclose(rows.lookup_one(np.array([0, 5])), np.log([0.1, 0.3]), rtol=1e-12)
+    assert np.isneginf(rows.lookup_one(tokens)[1])
+    # unknown=NaN keeps "not listed" apart from a zero: neither row lists a zero, so unlisted
+    # token 7 reads NaN; a repeat of column 0 read -inf is no zero either
+    assert rows.lists_support().tolist() == [False, False]
+    assert ListedRows(rows.ids, deduped).lists_support().tolist() == [False, False]
+    assert np.isnan(rows.lookup_one(tokens, unknown=np.nan)[1])
+    assert rows.lookup_one(tokens, unknown=np.nan)[0] == pytest.approx(math.log(0.2))
+    zero = _rows([[3, 1, 0, 3]], [[0.2, 0.8, 0.0, 0.2]])  # lists token 0 with probability 0
+    assert zero.lists_support().tolist() == [True]
+    assert np.isneginf(zero.lookup_one(np.array([7]), unknown=np.nan)).all()
+    # take: the chosen rows, their de-duplicated values carried over
+    taken = rows.take(np.array([1]))
+    assert taken.ids.tolist() == [[2, 2, 5, 1]]
+    np.testing.assert_array_equal(taken.deduped(), deduped[[1]])
+    np.testing.assert_array_equal(
+        _rows([[2, 2, 5, 1]], [[0.4, 0.4, 0.3, 0.2]]).deduped(), taken.deduped()
+    )
+
+
+def test_verify_listed_hand_values():
+    """Three sequences, k = 3, λ = 0.5; rows hold the proposal first, then a top-3 (repeats
+    kept). S is the guidance row's top-3, q̃ = q / Q_S on S; accept x w.p. min(1, 0.5 + 0.5·q̃(x)/p(x))."""
+    num = torch.tensor([2, 3, 1])
+    draft = _rows(
+        [[4, 4, 7, 1], [7, 7, 1, 0], [2, 0, 5, 2], [0, 0, 1, 2], [9, 3, 9, 1], [5, 5, 2, 6]],
+        [[0.5, 0.5, 0.3, 0.1], [0.6, 0.6, 0.2, 0.1], [0.2, 0.5, 0.3, 0.2],
+         [0.7, 0.7, 0.1, 0.1], [0.1, 0.6, 0.1, 0.2], [0.4, 0.4, 0.3, 0.2]],
+    )  # fmt: skip
+    guide = _rows(
+        [[4, 2, 4, 0], [7, 1, 3, 7], [2, 2, 9, 0], [0, 0, 8, 1], [9, 9, 3, 2], [5, 6, 2, 5]],
+        [[0.3, 0.4, 0.3, 0.2], [0.1, 0.5, 0.3, 0.1], [0.4, 0.4, 0.1, 0.3],
+         [0.7, 0.7, 0.2, 0.05], [0.2, 0.2, 0.5, 0.1], [0.05, 0.5, 0.3, 0.05]],
+    )  # fmt: skip
+    # seq 0: S = {2, 4, 0}, Q_S = 0.9, q̃(4) = 1/3: ratio 0.5 + 0.5 * (1/3)/0.5 = 0.8333 > u = 0.79,
+    # accepted. Token 7: S = {1, 3, 7}, Q_S = 0.9, q̃(7) = 1/9: ratio 0.5 + 0.5 * (1/9)/0.6 =
+    # 0.5926 <= u = 0.6, rejected. The residual needs p on S = [1, 3, 7]: the draft row lists 1
+    # and 7 but not 3 (and no zero, so 3 is unknown): the probe gives the row, p = [.2, .05, .6].
+    # q̃ = [5/9, 3/9, 1/9]; residual [5/9 - .2, 1/3 - .05, 0] = [.35556, .28333, 0], CDF
+    # [.35556, .63889, .63889]; last uniform 0.6 * .63889 = .38333 passes 1 entry -> token 3.
+    # seq 1: S = {2, 9, 0}, Q_S = .8, q̃(2) = .5: ratio 0.5 + 0.5 * .5/.2 = 1.75; S = {0, 8, 1},
+    # Q_S = .95, q̃(0) = .7368: ratio 0.5 + 0.5 * .7368/.7 = 1.026; S = {9, 3, 2}, Q_S = .8,
+    # q̃(9) = .25: ratio 0.5 + 0.5 * .25/.1 = 1.75. All >= 1: accepted whatever the uniforms.
+    # seq 2: S = {6, 2, 5}, Q_S = .85, q̃(5) = .05/.85 = .05882: ratio 0.5 + 0.5 * .05882/.4 =
+    # 0.5735 <= u = 0.9, rejected. The draft row lists all of S (p = [.2, .3, .4]): no probe.
+    # q̃ = [.58824, .35294, .05882]; residual [.38824, .05294, 0], CDF [.38824, .44118, .44118];
+    # 0.95 * .44118 = .41912 passes 1 entry -> token 2 (p .3, q .3, q̃ .35294).
+    u = torch.tensor(
+        [[0.79, 0.6, 0.5, 0.6], [0.99, 0.99, 0.99, 0.5], [0.9, 0.0, 0.0, 0.95]], dtype=D
+    )
+    probe = RecordingProbe({(0, 1): {1: 0.2, 3: 0.05, 7: 0.6}})
+    out = verify_listed(num, draft, guide, 0.5, u, probe)
+    # only the row that needs it is probed: sequence 0 after 1 proposal, at S of its guidance row
+    assert probe.calls == [([0], [1], [[1, 3, 7]])]
+    assert out.tokens.tolist() == [[4, 3, -1], [2, 0, 9], [2, -1, -1]]
+    assert out.num_emitted.tolist() == [2, 3, 1] and out.num_accepted.tolist() == [1, 3, 0]
+    assert out.offpolicy.tolist() == [[False, True, False], [False] * 3, [True, False, False]]
+    log = math.log
+    expected_p = [[log(0.5), log(0.05), 0.0], [log(0.2), log(0.7), log(0.1)], [log(0.3), 0.0, 0.0]]
+    # guidance_log_probs: the true log q (column 0 for proposals, the top-K value for residuals)
+    expected_q = [[log(0.3), log(0.3), 0.0], [log(0.4), log(0.7), log(0.2)], [log(0.3), 0.0, 0.0]]
+    # target_log_probs: log q̃ = log q - log Q_S; target_tv: λ(1 - Q_S)
+    expected_t = [[log(1 / 3), log(1 / 3), 0.0], [log(0.5), log(0.7 / 0.95), log(0.25)],
+                  [log(0.3 / 0.85), 0.0, 0.0]]  # fmt: skip
+    expected_tv = [[0.05, 0.05, 0.0], [0.1, 0.025, 0.1], [0.075, 0.0, 0.0]]
+    for name, expected in (("draft_log_probs", expected_p), ("guidance_log_probs", expected_q),
+                           ("target_log_probs", expected_t), ("target_tv", expected_tv)):  # fmt: skip
+        torch.testing.assert_close(getattr(out, name), torch.tensor(expected, dtype=D), rtol=1e-12,
+                                   atol=1e-12, msg=name)  # fmt: skip
+    # a smaller last uniform, 0.4 * .63889 = .25556 < .35556, stops at the first entry: token 1
+    # (q 0.5, p 0.2: the probe's value)
+    u[0, -1] = 0.4
+    out = verify_listed(num, draft, guide, 0.5, u, probe)
+    assert out.tokens[0, 1] == 1 and out.draft_log_probs[0, 1].item() == pytest.approx(log(0.2))
+    assert len(probe.calls) == 2
+    # without a probe, p(3) is unknown: refused
+    with pytest.raises(RuntimeError, match="no draft probe"):
+        verify_listed(num, draft, guide, 0.5, u)
+    # a draft row that lists a zero lists its whole support: p(3) = 0 exactly, no probe needed.
+    # Row 1 as [7, 1, 0] with p [.6, .4, 0]: ratio 0.5 + 0.5 * (1/9)/.6 = .5926 still rejects;
+    # residual [5/9 - .4, 1/3 - 0, 0] = [.15556, .33333, 0], CDF [.15556, .48889, .48889];
+    # 0.4 * .48889 = .19556 passes 1 entry -> token 3 with p = 0 (log -inf)
+    probs = np.exp(draft.log_probs)
+    probs[1] = [0.6, 0.6, 0.4, 0.0]
+    cut = _rows(draft.ids.tolist(), probs.tolist())
+    out = verify_listed(num, cut, guide, 0.5, u)
+    assert out.tokens[0].tolist() == [4, 3, -1] and np.isneginf(out.draft_log_probs[0, 1].item())
+    assert out.target_log_probs[0, 1].item() == pytest.approx(log(1 / 3))
+
+
+def _random_rows(
+    gen: np.random.Generator, tokens: np.ndarray, vocab: int, top: int
+) -> tuple[ListedRows, np.ndarray]:
+    """One engine row per token: the token, then the `top` most likely of a random distribution
+    (the token may repeat among them), with their log-probs; and the whole (N, vocab) log-probs
+    (float32 as an engine's, the values the rows list)."""
+    probs = gen.dirichlet(np.full(vocab, 0.3), len(tokens))
+    log_probs = np.log(probs).astype(np.float32)
+    best = np.argsort(-probs, axis=-1)[:, :top]
+    ids = np.concatenate([tokens[:, None], best], axis=-1)
+    return ListedRows(ids, np.take_along_axis(log_probs, ids, -1)), log_probs
+
+
+@pytest.mark.parametrize("lam", [0.3, 1.0])
+def test_verify_listed_equals_verify_proposals_on_topk(lam):
+    """The flat-rows path (draft rows listing the proposal and its top-5 of V = 12, the rest
+    from a probe) and `verify_proposals` on the draft's whole tables and the guidance's top-5 as
+    a `TopK` (its set S) give the same tokens, provenance and log-probs for the same uniforms
+    (300 sequences, k = 4)."""
+    gen = np.random.default_rng(3)
+    batch, k, vocab = 300, 4, 12
+    num = torch.from_numpy(gen.integers(1, k + 1, batch))
+    tokens = gen.integers(0, vocab, int(num.sum()))
+    (draft, draft_full), (guide, _) = (_random_rows(gen, tokens, vocab, 5) for _ in range(2))
+    u = torch.from_numpy(gen.random((batch, k + 1)))
+    starts = np.cumsum(num.numpy()) - num.numpy()
+    calls = []
+
+    def probe(rows, positions, ids):  # the draft's log p at (sequence, position): its full row
+        calls.append((rows, positions, ids))
+        return np.take_along_axis(draft_full[starts[rows] + positions], ids, -1)
+
+    fast = verify_listed(num, draft, guide, lam, u, probe)
+    proposals = torch.full((batch, k), -1, dtype=torch.long)
+    used = torch.arange(k) < num.unsqueeze(-1)
+    proposals[used] = torch.from_numpy(tokens)
+    dense = torch.full((batch, k, vocab), -math.log(vocab), dtype=D)
+    dense[used] = torch.from_numpy(draft_full).double()
+    ids, values = guide.topk()
+    top = TopK(torch.full((batch, k, 5), -1), torch.full((batch, k, 5), float("-inf"), dtype=D))
+    top.ids[used], top.log_probs[used] = torch.from_numpy(ids), torch.from_numpy(values).double()
+    ref = verify_proposals(proposals, num, dense, top, lam, uniforms=u)
+    assert fast.offpolicy.any() and (fast.num_accepted > 1).any()
+    for name in ("tokens", "num_emitted", "num_accepted", "offpolicy"):
+        assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    for name in ("draft_log_probs", "target_log_probs", "target_tv"):
+        torch.testing.assert_close(getattr(fast, name), getattr(ref, name), rtol=0, atol=1e-12)
+    # guidance_log_probs: the same on S; a proposal outside S has q̃ = 0 (the reference's -inf)
+    # and the flat path still reports its true q (column 0 of its guidance row); at λ = 1 such
+    # a proposal is always rejected (ratio q̃/p = 0)
+    outside = torch.isneginf(ref.guidance_log_probs)
+    assert bool(outside.any()) == (lam < 1) and not (ref.offpolicy & outside).any()
+    torch.testing.assert_close(fast.guidance_log_probs[~outside], ref.guidance_log_probs[~outside],
+                               rtol=0, atol=1e-12)  # fmt: skip
+    b, pos = outside.nonzero(as_tuple=True)
+    row = torch.from_numpy(starts)[b] + pos
+    torch.testing.assert_close(fast.guidance_log_probs[outside],
+                               torch.from_numpy(guide.log_probs[row, 0]).double())  # fmt: skip
+    # the probe was asked only at rejected positions, for the guidance row's S, and only where
+    # the draft's row does not list all of it
+    assert len(calls) == 1
+    rows, positions, asked = calls[0]
+    assert len(rows) and fast.offpolicy[rows, positions].all()
+    at = starts[rows] + positions
+    np.testing.assert_array_equal(asked, guide.ids[at, 1:])
+    assert not draft.take(at).knows(asked).all(-1).any()
+    rejected = fast.offpolicy.nonzero().numpy()
+    at_all = starts[rejected[:, 0]] + rejected[:, 1]
+    known = draft.take(at_all).knows(guide.ids[at_all, 1:]).all(-1)
+    assert len(rows) == (~known).sum()
+
+
+def test_verify_listed_with_partial_lists_emits_the_truncated_target():
+    """Guidance rows listing the proposal and the top-3 of V = 8, draft rows the proposal and
+    its top-2, the draft's p on S from a probe; k = 2, λ = 0.6. The first emitted token follows
+    t = (1-λ)p + λq̃ (chi-square, n = 40,000), not q_λ, and the behavior computed from the
+    result, log((1-λ)p + λq̃) with p and q̃ its draft_log_probs and target_log_probs, is the hand
+    value of every emitted token (1e-12).
+    p = [.3, .2, .15, .1, .1, .08, .05, .02], q = [.02, .05, .08, .3, .1, .25, .15, .05]:
+    S = {3, 5, 6}, Q_S = .7, q̃ = [0, 0, 0, 3/7, 0, 5/14, 3/14, 0];
+    t = .4p + .6q̃ = [.12, .08, .06, .297143, .04, .246286, .148571, .008]
+    (q_λ = .4p + .6q = [.132, .11, .108, .22, .1, .182, .11, .038])."""
+    lam, n, k = 0.6, 40_000, 2
+    p = np.array([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02])
+    q = np.array([0.02, 0.05, 0.08, 0.3, 0.1, 0.25, 0.15, 0.05])
+    q_t = np.array([0, 0, 0, 3 / 7, 0, 5 / 14, 3 / 14, 0])
+    t = np.array([0.12, 0.08, 0.06, 0.04 + 0.6 * 3 / 7, 0.04,
+                  0.032 + 0.6 * 5 / 14, 0.02 + 0.6 * 3 / 14, 0.008])  # fmt: skip
+    np.testing.assert_allclose((1 - lam) * p + lam * q_t, t, rtol=1e-12)
+    gen = np.random.default_rng(17)
+    x = gen.choice(8, size=2 * n, p=p)  # two proposals per sequence, i.i.d. from p
+    num = torch.full((n,), k)
+    draft_ids = np.stack([x, np.zeros_like(x), np.ones_like(x)], 1)  # x, then p's top-2 {0, 1}
+    draft = ListedRows(draft_ids, np.log(p[draft_ids]))
+    s_ids = np.array([3, 5, 6])
+    guide_ids = np.concatenate([x[:, None], np.tile(s_ids, (2 * n, 1))], 1)  # x, then S
+    guide = ListedRows(guide_ids, np.log(q[guide_ids]))
+    calls = []
+
+    def probe(rows, positions, tokens):
+        calls.append((rows, positions, tokens))
+        return np.log(p[tokens])
+
+    u = torch.from_numpy(gen.random((n, k + 1)))
+    out = verify_listed(num, draft, guide, lam, u, probe)
+    first = out.tokens[:, 0].numpy()
+    counts = torch.from_numpy(np.bincount(first, minlength=8)).to(D)
+    assert _chi2_ok(counts, torch.from_numpy(t)) > 1e-3
+    q_lam = (1 - lam) * p + lam * q
+    assert chisquare(counts.numpy(), q_lam * n).pvalue < 1e-6
+    # the second token (where the first was accepted) follows t too
+    second = out.tokens[:, 1].numpy()
+    second = second[second >= 0]
+    counts = torch.from_numpy(np.bincount(second, minlength=8)).to(D)
+    assert _chi2_ok(counts, torch.from_numpy(t)) > 1e-3
+    # every rejection was probed (the draft row never lists all of S), at its position, for S
+    assert len(calls) == 1
+    rows, positions, tokens = calls[0]
+    rejected = out.offpolicy.nonzero().numpy()
+    np.testing.assert_array_equal(np.stack([rows, positions], 1), rejected)
+    np.testing.assert_array_equal(tokens, np.tile(s_ids, (len(rows), 1)))
+    # per-token values and the behavior log((1-λ)p + λq̃) against the hand values
+    valid = out.tokens >= 0
+    y = out.tokens[valid].numpy()
+    log_p, log_t = out.draft_log_probs[valid].numpy(), out.target_log_probs[valid].numpy()
+    np.testing.assert_allclose(log_p, np.log(p[y]), rtol=1e-12)
+    with np.errstate(divide="ignore"):
+        np.testing.assert_allclose(log_t, np.log(q_t[y]), rtol=1e-12)
+    np.testing.assert_allclose(out.guidance_log_probs[valid].numpy(), np.log(q[y]), rtol=1e-12)
+    np.testing.assert_allclose(out.target_tv[valid].numpy(), np.full(len(y), lam * 0.3), rtol=1e-12)
+    behavior = np.logaddexp(math.log1p(-lam) + log_p, math.log(lam) + log_t)
+    np.testing.assert_allclose(behavior, np.log(t[y]), rtol=0, atol=1e-12)
+
+
+def test_verify_listed_refuses_rows_of_different_proposals():
+    rows = _rows([[1, 2]], [[0.5, 0.5]])
+    other = _rows([[2, 1]], [[0.5, 0.5]])
+    with pytest.raises(RuntimeError, match="same proposals"):
+        verify_listed(torch.tensor([1]), rows, other, 0.5, torch.zeros(1, 2, dtype=D))

@@ -1,0 +1,39 @@
+"""Helpers shared by the speculative-sampling tests (not a test module)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from scipy.stats import chisquare
+
+from verl.workers.rollout.speculative import ListedRows
+
+D = torch.float64
+
+
+def _chi2_ok(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token with zero probability was emitted"
+    expected = probs[keep] * counts.sum()
+    return chisquare(
+        counts[keep].numpy(), expected.numpy() * counts[keep].sum().item() / expected.sum().item()
+    ).pvalue
+
+
+def _rows(ids: list[list[int]], probs: list[list[float]]) -> ListedRows:
+    with np.errstate(divide="ignore"):  # a probability 0 is listed as -inf
+        return ListedRows(np.array(ids), np.log(np.array(probs)))
+
+
+class RecordingProbe:
+    """A draft probe answering from hand tables {(row, position): {token: p}}, recording calls."""
+
+    def __init__(self, tables: dict):
+        self.tables, self.calls = tables, []
+
+    def __call__(self, rows, positions, tokens):
+        self.calls.append((rows.tolist(), positions.tolist(), tokens.tolist()))
+        table = [
+            self.tables[(r, n)] for r, n in zip(rows.tolist(), positions.tolist(), strict=True)
+        ]
+        return np.log([[t[int(tok)] for tok in row] for t, row in zip(table, tokens, strict=True)])
