@@ -1,7 +1,8 @@
 """Evidence: does guidance make the draft learn faster than plain GRPO, and which correction works?
 
 Learning curves on an embedded task (default `runsum`, the long-horizon one; `--task
-arithmetic` the demo's short one): held-out greedy accuracy of the draft alone against training
+arithmetic` the demo's short one): held-out accuracy of the draft alone (runsum: sampled at
+T = 1; arithmetic: greedy) against training
 step and against training seconds, for every cell (a method, or a labelled diagnosis variant) x
 draft x seed. Each run is `python -m verl.trainer.main` on `examples/grpo_guided.yaml`, the
 cell's overlays and its overrides, in its own process, at the cell's learning rate tuned on a seed
@@ -132,9 +133,9 @@ TASK_CELLS = {
 }
 """Task -> the cells `make evidence` runs on it (`--cells` picks others)."""
 TUNE_DRAFT = {"arithmetic": "base", "runsum": "student"}
+"""Task -> the draft learning rates are tuned from."""
 MEASURE = {"arithmetic": "greedy", "runsum": "sampled at T = 1, 4 per prompt"}
 """Task -> how its validation measures accuracy."""
-"""Task -> the draft learning rates are tuned from."""
 DIAGNOSTICS = ("guidance/offpolicy_token_ratio", "guidance/guided_grad_share",
                "guidance/guided_is_weight_mean", "guidance/guided_is_clip_frac",
                "guidance/guided_score_gap", "guidance/guided_seq_score",
@@ -256,16 +257,19 @@ def markdown(table: list[dict], steps: int, task: str = "arithmetic") -> str:
               "grad-energy share weighs each token by its PPO importance weight w: under LUFFY shaping "
               "the guidance tokens' loss is -A·π/(π+γ) without w, so that cell's share is not its "
               "actual gradient.", "",
-              "| draft | cell | guidance tokens | their grad-energy share | their mean weight | their clipped | reward with - without (same group) |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+              "| draft | cell | guidance tokens | their grad-energy share | their mean weight | their clipped "
+              "| mean λ_t | reward with - without (same group) | reward guided / unguided subset |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in table:
         d = r["diagnostics"]
         if d["guidance/offpolicy_token_ratio"] is None:
             continue
         weight, gap = d["guidance/guided_is_weight_mean"], d["guidance/guided_score_gap"]
+        subsets = d["guidance/subset_guided_score"], d["guidance/subset_unguided_score"]
         cells = [r["draft"], r["label"], _pct(d["guidance/offpolicy_token_ratio"]),
                  _pct(d["guidance/guided_grad_share"]), _num(weight, ".3f"),
-                 _pct(d["guidance/guided_is_clip_frac"]), _num(gap, "+.3f")]  # fmt: skip
+                 _pct(d["guidance/guided_is_clip_frac"]), _num(d["guidance/lambda_mean"], ".3f"),
+                 _num(gap, "+.3f"), " / ".join(_num(x, ".3f") for x in subsets)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -294,7 +298,7 @@ def plot(table: list[dict], out: Path, task: str) -> list[Path]:
                                 color=line.get_color(), alpha=0.12)  # fmt: skip
         axes[0].set_xlabel("training step")
         axes[1].set_xlabel("training seconds (sum of step times, mean over seeds)")
-        axes[0].set_ylabel("held-out greedy accuracy of the draft, %")
+        axes[0].set_ylabel(f"held-out accuracy of the draft ({MEASURE[task]}), %")
         axes[1].legend(fontsize=7, loc="lower right")
         fig.suptitle(f"Embedded {task}, {draft} draft: mean over seeds, band = min-max")
         fig.tight_layout()
@@ -367,42 +371,70 @@ def run_plan(models: dict[str, str], guidance: str, cells: list[Cell], seeds: in
     return skipped
 
 
+TUNE_EXTEND = 2
+"""How many rates `tune` may add past an edge of the grid, per cell (see `tune`)."""
+
+
 def tune(draft: str, guidance: str, cells: list[Cell], steps: int, val_freq: int, out: Path,
          runs: Path, lrs: tuple[float, ...], extra: tuple[str, ...] = (), label: str = "base") -> dict:  # fmt: skip
     """Every main cell at every rate of `lrs` on `TUNE_SEED` (never reported), from `draft`; the
     pick per cell is the learning rate with the highest mean held-out accuracy over the
     validation steps after 0 (the area under its learning curve: fast learning is the question).
-    Writes tuning.json and tuning.md under `out`; returns the json."""
+    A cell whose pick lies on an edge of the rates it tried also tries the next rate past that
+    edge (the grid's own ratio, up to `TUNE_EXTEND` more), so no pick is an edge of the grid by
+    construction. Writes tuning.json and tuning.md under `out`; returns the json."""
     result = {"seed": TUNE_SEED, "draft": label, "steps": steps, "lrs": list(lrs), "cells": {}}
+    ratio = lrs[-1] / lrs[-2] if len(lrs) > 1 else 3.0
     for cell in (c for c in cells if not c.diagnosis):
-        scores = {}
-        for lr in lrs:
-            run_dir = runs / cell.name / f"lr{lr:g}"
-            args = run_args(cell, draft, guidance, TUNE_SEED, steps, val_freq, run_dir,
-                            (f"worker.actor.optim.lr={lr}", *extra))  # fmt: skip
-            dest = out / "tuning" / cell.name / f"lr{lr:g}.jsonl"
-            run_once(args, run_dir, dest, steps)
-            c = curve(read_log(dest))
-            scores[f"{lr:g}"] = statistics.fmean(
-                a for s, a in zip(c["step"], c["accuracy"]) if s > 0
-            )
-        pick = max(scores, key=lambda k: scores[k])
-        result["cells"][cell.name] = {"label": cell.label, "scores": scores, "pick": float(pick)}
+        scores: dict[float, float] = {}
+        todo = list(lrs)
+        while todo:
+            for lr in todo:
+                scores[lr] = _tune_score(
+                    cell, lr, draft, guidance, steps, val_freq, out, runs, extra
+                )
+            pick = max(scores, key=lambda k: scores[k])
+            tried, room = sorted(scores), len(scores) < len(lrs) + TUNE_EXTEND
+            todo = [float(f"{pick * ratio:.3g}")] if room and pick == tried[-1] else []
+            todo = [float(f"{pick / ratio:.3g}")] if room and pick == tried[0] < tried[-1] else todo
+        result["cells"][cell.name] = {
+            "label": cell.label,
+            "scores": {f"{lr:g}": scores[lr] for lr in sorted(scores)},
+            "pick": pick,
+        }
     (out / "tuning.json").write_text(json.dumps(result, indent=1))
     (out / "tuning.md").write_text(tuning_markdown(result))
     return result
 
 
+def _tune_score(cell: Cell, lr: float, draft: str, guidance: str, steps: int, val_freq: int,
+                out: Path, runs: Path, extra: tuple[str, ...]) -> float:  # fmt: skip
+    """One tuning run (reused when complete): mean held-out accuracy after step 0."""
+    run_dir = runs / cell.name / f"lr{lr:g}"
+    args = run_args(cell, draft, guidance, TUNE_SEED, steps, val_freq, run_dir,
+                    (f"worker.actor.optim.lr={lr}", *extra))  # fmt: skip
+    dest = out / "tuning" / cell.name / f"lr{lr:g}.jsonl"
+    run_once(args, run_dir, dest, steps)
+    c = curve(read_log(dest))
+    return statistics.fmean(a for s, a in zip(c["step"], c["accuracy"]) if s > 0)
+
+
 def tuning_markdown(result: dict) -> str:
-    """tuning.md: each cell's score at every learning rate tried, and its pick."""
+    """tuning.md: each cell's score at every learning rate tried (— where a cell did not try
+    it), and its pick."""
+    lrs = sorted(
+        {float(k) for r in result["cells"].values() for k in r["scores"]} | set(result["lrs"])
+    )
     lines = [f"Learning rate per cell, tuned on seed {result['seed']} (not reported) from the {result['draft']} "
-             f"draft, {result['steps']} steps: mean held-out accuracy (%) over the validation steps after 0.", "",
-             "| cell | " + " | ".join(f"lr {lr:g}" for lr in result["lrs"]) + " | pick |",
-             "| --- |" + " --- |" * (len(result["lrs"]) + 1)]  # fmt: skip
+             f"draft, {result['steps']} steps: mean held-out accuracy (%) over the validation steps after 0. "
+             "A cell whose best rate was an edge of the grid also tried the next rate past it.", "",
+             "| cell | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | pick |",
+             "| --- |" + " --- |" * (len(lrs) + 1)]  # fmt: skip
     for r in result["cells"].values():
+        got = r["scores"]
         row = [
             r["label"],
-            *(_pct(r["scores"][f"{lr:g}"]) for lr in result["lrs"]),
+            *(_pct(got[f"{lr:g}"]) if f"{lr:g}" in got else "—" for lr in lrs),
             f"{r['pick']:g}",
         ]
         lines.append("| " + " | ".join(row) + " |")

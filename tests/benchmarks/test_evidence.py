@@ -39,7 +39,9 @@ def test_curve_and_threshold_by_hand():
 
 
 def test_summary_over_seeds_by_hand():
-    diag = {"guidance/offpolicy_token_ratio": 0.1, "guidance/guided_score_gap": 0.5}
+    diag = {"guidance/offpolicy_token_ratio": 0.1, "guidance/guided_score_gap": 0.5,
+            "guidance/lambda_mean": 0.25, "guidance/subset_guided_score": 0.75,
+            "guidance/subset_unguided_score": 0.5}  # fmt: skip
     logs = {
         ("weak", "grpo", 0): log({0: 0.2, 2: 0.35, 4: 0.5}, 2.0),
         ("weak", "grpo", 1): log({0: 0.2, 2: 0.62, 4: 0.7}, 4.0),
@@ -64,7 +66,10 @@ def test_summary_over_seeds_by_hand():
         in text
     )
     assert "never (0/1)" in text  # spec_exact's best, 0.38, stays below 0.4
-    assert "| weak | speculative, exact μ, λ 0.5→0 | 10.0 | — | — | — | +0.500 |" in text
+    assert (
+        "| weak | speculative, exact μ, λ 0.5→0 | 10.0 | — | — | — | 0.250 | +0.500 | 0.750 / 0.500 |"
+        in text
+    )
 
 
 def test_report_from_copied_logs_writes_table_and_plots(tmp_path):
@@ -137,31 +142,48 @@ def test_tune_picks_the_lr_with_the_best_mean_accuracy_after_step_0(tmp_path, mo
         ("grpo", 5e-5): {0: 0.3, 2: 0.40, 4: 0.50},  # mean after 0: (0.40 + 0.50)/2 = 0.45
         ("grpo", 1e-4): {0: 0.3, 2: 0.50, 4: 0.52},  # (0.50 + 0.52)/2 = 0.51  <- pick
         ("grpo", 2e-4): {0: 0.3, 2: 0.35, 4: 0.60},  # (0.35 + 0.60)/2 = 0.475 (best final only)
-        ("mix", 5e-5): {0: 0.3, 2: 0.45, 4: 0.55},  # 0.50
-        ("mix", 1e-4): {0: 0.3, 2: 0.30, 4: 0.40},  # 0.35
-        ("mix", 2e-4): {0: 0.3, 2: 0.90, 4: 0.05},  # 0.475
+        ("mix", 5e-5): {0: 0.3, 2: 0.45, 4: 0.55},  # 0.50  <- pick, the grid's lower edge, so
+        ("mix", 1e-4): {0: 0.3, 2: 0.30, 4: 0.40},  # 0.35     2.5e-5 (= 5e-5 / (2e-4 / 1e-4))
+        ("mix", 2e-4): {0: 0.3, 2: 0.90, 4: 0.05},  # 0.475    is tried too
+        ("mix", 2.5e-5): {0: 0.3, 2: 0.35, 4: 0.45},  # 0.40: 5e-5 stays the pick
+        ("distill", 5e-5): {0: 0.3, 2: 0.30, 4: 0.30},  # 0.30
+        ("distill", 1e-4): {0: 0.3, 2: 0.40, 4: 0.40},  # 0.40
+        ("distill", 2e-4): {0: 0.3, 2: 0.50, 4: 0.50},  # 0.50: upper edge -> 4e-4
+        ("distill", 4e-4): {0: 0.3, 2: 0.60, 4: 0.60},  # 0.60: edge again -> 8e-4
+        ("distill", 8e-4): {0: 0.3, 2: 0.70, 4: 0.70},  # 0.70: pick; TUNE_EXTEND (2) is spent
     }
+    ran = []
 
     def fake_run_once(args, run_dir, dest, steps):
         cell = run_dir.parent.name
         lr = float(next(a for a in args if a.startswith("worker.actor.optim.lr=")).split("=")[1])
         assert "data.seed=99" in args and f"worker.actor.optim.lr={lr}" == args[-1]
+        ran.append((cell, lr))
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text("\n".join(json.dumps(r) for r in log(curves[(cell, lr)], 1.0)) + "\n")
         return True
 
     monkeypatch.setattr(E, "run_once", fake_run_once)
     cells = [
-        c for c in E.CELLS if c.name in ("grpo", "mix", "spec_no_is")
+        c for c in E.CELLS if c.name in ("grpo", "mix", "distill", "spec_no_is")
     ]  # a diagnosis cell: not tuned
     result = E.tune("/d", "/g", cells, 4, 2, tmp_path, tmp_path / "runs", (5e-5, 1e-4, 2e-4))
-    assert set(result["cells"]) == {"grpo", "mix"}
+    assert set(result["cells"]) == {"grpo", "mix", "distill"}
+    assert sorted(ran) == sorted(curves)  # each (cell, rate) once, the extensions included
     assert result["cells"]["grpo"]["scores"]["0.0001"] == pytest.approx(0.51)
     assert result["cells"]["grpo"]["pick"] == 1e-4 and result["cells"]["mix"]["pick"] == 5e-5
+    assert result["cells"]["distill"]["pick"] == 8e-4
+    assert list(result["cells"]["mix"]["scores"]) == ["2.5e-05", "5e-05", "0.0001", "0.0002"]
     assert json.loads((tmp_path / "tuning.json").read_text()) == result
+    md = (tmp_path / "tuning.md").read_text()
     assert (
-        "| plain GRPO (guidance off) | 45.0 | 51.0 | 47.5 | 0.0001 |"
-        in (tmp_path / "tuning.md").read_text()
+        "| cell | lr 2.5e-05 | lr 5e-05 | lr 0.0001 | lr 0.0002 | lr 0.0004 | lr 0.0008 | pick |"
+        in md
+    )
+    assert "| plain GRPO (guidance off) | — | 45.0 | 51.0 | 47.5 | — | — | 0.0001 |" in md
+    assert (
+        "| pure distillation (no reward, λ = 0) | — | 30.0 | 40.0 | 50.0 | 60.0 | 70.0 | 0.0008 |"
+        in md
     )
 
 
