@@ -13,6 +13,7 @@ from verl.utils.embedded import (
     arithmetic_split,
     greedy_accuracy,
     load_embedded,
+    off_target,
     pick_snapshot,
     pick_snapshots,
     runsum_row,
@@ -93,6 +94,14 @@ def test_pick_snapshot_takes_the_evaluation_nearest_the_target_at_the_first_cros
     curve = [(0, 0.0), (5, 0.10), (10, 0.16), (15, 0.12), (20, 0.40), (25, 0.90), (30, 0.95)]
     picked = pick_snapshots(curve, {"weak": 0.15, "draft": 0.36, "guidance": 0.97})
     assert picked == {"weak": (10, 0.16), "draft": (20, 0.40), "guidance": (30, 0.95)}
+
+
+def test_off_target_warns_only_past_the_tolerance():
+    assert off_target(0.36, 0.36) == "" and off_target(0.156, 0.15) == ""
+    assert off_target(0.31, 0.36) == ""  # 5.0 points: on the tolerance, no warning
+    # 0.572 against 0.36: 21.2 points off, as the AVX2 machine built with fixed steps
+    warning = off_target(0.572, 0.36)
+    assert warning.startswith("warning: 57.2% is 21.2 points from the target 36% (tolerance 5%)")
 
 
 def test_runsum_rows_by_hand_and_splits():
