@@ -57,13 +57,13 @@ class Cell:
 
 SPEC = (f"{G}enable=true", f"{G}mode=speculative", f"{G}lam=0.5", f"{G}lam_schedule=linear",
         f"{G}lam_end=0.0", f"{G}behavior=exact")  # fmt: skip
+MIX = (f"{G}enable=true", f"{G}mode=mix", f"{G}mix_num_samples=1")
 CELLS = (
     Cell("grpo", "plain GRPO (guidance off)", (f"{G}enable=false",)),
     Cell("spec_exact", "speculative, exact μ, λ 0.5→0", SPEC),
     Cell("spec_provenance", "speculative, provenance μ, λ 0.5→0", (*SPEC, f"{G}behavior=provenance")),
     Cell("spec_luffy", "speculative, exact μ, LUFFY shaping", (*SPEC, "worker.actor.luffy_shaping=true")),
-    Cell("mix", "mix mode (1 of 8 responses from the guidance)",
-         (f"{G}enable=true", f"{G}mode=mix", f"{G}mix_num_samples=1")),
+    Cell("mix", "mix mode (1 of 8 responses from the guidance)", MIX),
     Cell("distill", "pure distillation (no reward, λ = 0)",
          (f"{G}enable=true", f"{G}lam=0.0", f"{G}lam_schedule=constant",
           "algorithm.adv_estimator=none", "algorithm.distill.coef=1.0")),
@@ -85,13 +85,22 @@ CELLS = (
          True, ("weak", "base"), varies="grpo"),
     Cell("grpo_small_lr", "diagnosis: plain GRPO at a tenth of its lr", (f"{G}enable=false",), True,
          ("weak", "base"), varies="grpo", lr_scale=0.1),
+    # Diagnosis of the learning rates (runsum): the guided cells tuned to a rate at which plain
+    # GRPO collapsed on the tuning seed, so each side is also run at the other's rate.
+    Cell("grpo_at_mix_lr", "diagnosis: plain GRPO at mix's lr", (f"{G}enable=false",), True,
+         ("student",), varies="mix"),
+    Cell("mix_at_grpo_lr", "diagnosis: mix at plain GRPO's lr", MIX, True, ("student",), varies="grpo"),
+    Cell("mentor_at_grpo_lr", "diagnosis: MENTOR at plain GRPO's lr", (f"{G}guided_samples=4",), True,
+         ("student",), overlays=("mentor",), varies="grpo"),
 )  # fmt: skip
 COMMON = ("data.rollout_batch_size=32", "worker.actor.global_batch_size=128")
 """Every run: 32 prompts x 8 responses a step, two updates of 128 (the demo's recipe at half the
 prompts, so that the whole plan fits in 90 minutes on two cores)."""
 CELL_NAMES = tuple(c.name for c in CELLS)
-THRESHOLD_GAIN = 0.20
-"""Steps to threshold: the first validation step 20 accuracy points above the draft's start."""
+THRESHOLD_GAINS = (0.20, 0.40)
+"""Steps to threshold: the first validation step this many accuracy points above the draft's start
+(+20 was the stated threshold; on runsum every cell reached it at step 10, the second validation,
+so the table shows +40 as well)."""
 TUNE_SEED = 99
 """The seed learning rates are tuned on (`--tune`); the table reports seeds 0, 1, 2, ..."""
 TUNE_LRS = {"arithmetic": (5e-5, 1e-4, 2e-4), "runsum": (1e-4, 3e-4, 1e-3)}
@@ -127,9 +136,22 @@ TASK_SET = {
 arithmetic's). runsum validates as its models were chosen: sampling at T = 1 (4 per prompt)."""
 TASK_CELLS = {
     "arithmetic": tuple(
-        c.name for c in CELLS if c.overlays == () and c.name not in ("noise", "grpo_small_lr")
+        c.name
+        for c in CELLS
+        if c.overlays == () and "weak" in c.drafts and c.name not in ("noise", "grpo_small_lr")
     ),
-    "runsum": ("grpo", "spec_exact", "mentor", "mentor_exact", "mix", "distill", "spec_distill"),
+    "runsum": (
+        "grpo",
+        "spec_exact",
+        "mentor",
+        "mentor_exact",
+        "mix",
+        "distill",
+        "spec_distill",
+        "grpo_at_mix_lr",
+        "mix_at_grpo_lr",
+        "mentor_at_grpo_lr",
+    ),
 }
 """Task -> the cells `make evidence` runs on it (`--cells` picks others)."""
 TUNE_DRAFT = {"arithmetic": "base", "runsum": "student"}
@@ -198,7 +220,7 @@ def mean_of(rows: list[dict], key: str) -> float | None:
 
 def summarize(logs: dict[tuple[str, str, int], list[dict]], steps: int) -> list[dict]:
     """One row per (draft, cell): final accuracy mean, std and range over seeds, steps to the
-    threshold (the draft's start + `THRESHOLD_GAIN`), seconds per step, diagnostics."""
+    thresholds (the draft's start + each of `THRESHOLD_GAINS`), seconds per step, diagnostics."""
     table = []
     for draft in dict.fromkeys(d for d, _, _ in sorted(logs)):
         for cell in CELLS:
@@ -211,16 +233,16 @@ def summarize(logs: dict[tuple[str, str, int], list[dict]], steps: int) -> list[
                 continue
             curves = [curve(rows) for _, rows in runs]
             start = statistics.fmean(c["accuracy"][0] for c in curves)
-            threshold = start + THRESHOLD_GAIN
+            thresholds = [start + gain for gain in THRESHOLD_GAINS]
             finals = [c["accuracy"][-1] for c in curves]
-            hits = [steps_to(threshold, c) for c in curves]
+            hits = [[steps_to(t, c) for c in curves] for t in thresholds]
             table.append({
                 "draft": draft, "cell": cell.name, "label": cell.label, "diagnosis": cell.diagnosis,
-                "seeds": [s for s, _ in runs], "start": start, "threshold": threshold,
+                "seeds": [s for s, _ in runs], "start": start, "thresholds": thresholds,
                 "final_mean": statistics.fmean(finals),
                 "final_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
                 "final_min": min(finals), "final_max": max(finals),
-                "steps_to_threshold": hits, "reached": sum(h is not None for h in hits),
+                "steps_to_threshold": hits, "reached": [sum(h is not None for h in hs) for hs in hits],
                 "s_per_step": statistics.fmean([c["s_per_step"][0] for c in curves if c["s_per_step"]] or [0.0]),
                 "complete": all(is_complete(rows, steps) for _, rows in runs),
                 "diagnostics": {k: mean_of([r for _, rows in runs for r in rows], k) for k in DIAGNOSTICS},
@@ -237,20 +259,24 @@ def _num(x: float | None, fmt: str) -> str:
     return "—" if x is None else format(x, fmt)
 
 
+def _reach(hits: list[int | None]) -> str:
+    """Mean step over the seeds that reached a threshold, and how many did."""
+    got = [h for h in hits if h is not None]
+    return (
+        f"{statistics.fmean(got):.0f} ({len(got)}/{len(hits)})" if got else f"never (0/{len(hits)})"
+    )
+
+
 def markdown(table: list[dict], steps: int, task: str = "arithmetic") -> str:
     """The results table, then the diagnostics of the guided cells."""
+    gains = " / ".join(f"+{100 * g:.0f}" for g in THRESHOLD_GAINS)
     lines = [f"Held-out accuracy of the draft alone (500 test prompts; {MEASURE[task]}), {steps} steps; mean ± std "
-             f"over seeds [min-max]; steps to threshold = first validation step at least {100 * THRESHOLD_GAIN:.0f} "
-             "points above the draft's start (mean over the seeds that reached it; n/N reached).", "",
-             "| draft | cell | seeds | start % | final % | steps to threshold | s/step |",
+             f"over seeds [min-max]; steps to {gains} = first validation step at least that many points above "
+             "the draft's start (mean over the seeds that reached it; n/N reached).", "",
+             f"| draft | cell | seeds | start % | final % | steps to {gains} points | s/step |",
              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in table:
-        hits = [h for h in r["steps_to_threshold"] if h is not None]
-        reach = (
-            f"{statistics.fmean(hits):.0f} ({r['reached']}/{len(r['seeds'])})"
-            if hits
-            else f"never (0/{len(r['seeds'])})"
-        )
+        reach = " / ".join(_reach(hs) for hs in r["steps_to_threshold"])
         final = f"{_pct(r['final_mean'])} ± {_pct(r['final_std'])} [{_pct(r['final_min'])}-{_pct(r['final_max'])}]"
         lines.append(f"| {r['draft']} | {r['label']} | {len(r['seeds'])} | {_pct(r['start'])} | {final} | {reach} | {r['s_per_step']:.2f} |")  # fmt: skip
     lines += ["", "Diagnostics (means over steps and seeds; % except the weight and the score gap). The "

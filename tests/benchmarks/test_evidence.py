@@ -54,18 +54,19 @@ def test_summary_over_seeds_by_hand():
     assert grpo["final_mean"] == pytest.approx(0.6)
     assert grpo["final_std"] == pytest.approx(0.02**0.5)
     assert (grpo["final_min"], grpo["final_max"]) == (0.5, 0.7)
-    # threshold = 0.2 + 0.2 = 0.4: seed 0 at step 4 (0.35 < 0.4 at step 2), seed 1 at step 2
-    assert grpo["threshold"] == pytest.approx(0.4)
-    assert grpo["steps_to_threshold"] == [4, 2] and grpo["reached"] == 2
+    # thresholds 0.2 + 0.2 = 0.4: seed 0 at step 4 (0.35 < 0.4 at step 2), seed 1 at step 2;
+    # 0.2 + 0.4 = 0.6: seed 0 never (0.5 at most), seed 1 at step 2 (0.62)
+    assert grpo["thresholds"] == pytest.approx([0.4, 0.6])
+    assert grpo["steps_to_threshold"] == [[4, 2], [None, 2]] and grpo["reached"] == [2, 1]
     assert grpo["s_per_step"] == pytest.approx(3.0)  # mean of 2 and 4
     assert grpo["diagnostics"]["guidance/offpolicy_token_ratio"] is None
     assert spec_["diagnostics"]["guidance/guided_score_gap"] == pytest.approx(0.5)
     text = E.markdown(table, 4)
     assert (
-        "| weak | plain GRPO (guidance off) | 2 | 20.0 | 60.0 ± 14.1 [50.0-70.0] | 3 (2/2) | 3.00 |"
+        "| weak | plain GRPO (guidance off) | 2 | 20.0 | 60.0 ± 14.1 [50.0-70.0] | 3 (2/2) / 2 (1/2) | 3.00 |"
         in text
     )
-    assert "never (0/1)" in text  # spec_exact's best, 0.38, stays below 0.4
+    assert "| never (0/1) / never (0/1) |" in text  # spec_exact's best, 0.38, stays below 0.4
     assert (
         "| weak | speculative, exact μ, λ 0.5→0 | 10.0 | — | — | — | 0.250 | +0.500 | 0.750 / 0.500 |"
         in text
