@@ -43,8 +43,9 @@ bench: env
 	$(PY) benchmarks/bench_core_algos.py
 	$(PY) benchmarks/bench_actor.py
 
-# Learning curves of guided vs plain GRPO over seeds and draft strengths (about 90 minutes on
-# 2 cores; not part of `make test`). Background: nohup make evidence > evidence.log 2>&1 &
+# Learning curves of every guidance recipe vs plain GRPO on the long-horizon embedded task, 3
+# seeds (56 minutes on 2 cores, nothing else running; not part of `make test`; benchmarks/README.md).
+# Background: nohup make evidence > evidence.log 2>&1 &   (EVIDENCE_ARGS='--task arithmetic': the old task)
 evidence: env
 	$(PY) benchmarks/evidence.py $(EVIDENCE_ARGS)
 

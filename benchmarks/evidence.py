@@ -11,8 +11,8 @@ again, so an interrupted evidence run resumes. Every run's metric log is copied 
 `benchmarks/results/evidence_<task>/logs/`, and the table (`results.md`, `results.json`) and
 plots (`*.png`) are made from those logs alone:
 
-    .venv/bin/python benchmarks/evidence.py --tune     # once per task (runsum: ~40 minutes)
-    make evidence                                      # the whole plan (runsum: ~60 minutes)
+    .venv/bin/python benchmarks/evidence.py --tune     # once per task (runsum: 24 runs, ~50 min)
+    make evidence                                      # the whole plan (runsum: 30 runs, 56 min)
     .venv/bin/python benchmarks/evidence.py --report-only   # table and plots from the logs
     .venv/bin/python benchmarks/evidence.py --cells grpo,spec_exact --seeds 1 --steps 10
 
