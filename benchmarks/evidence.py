@@ -420,9 +420,8 @@ def tune(draft: str, guidance: str, cells: list[Cell], steps: int, val_freq: int
                     cell, lr, draft, guidance, steps, val_freq, out, runs, extra
                 )
             pick = max(scores, key=lambda k: scores[k])
-            tried, room = sorted(scores), len(scores) < len(lrs) + TUNE_EXTEND
-            todo = [float(f"{pick * ratio:.3g}")] if room and pick == tried[-1] else []
-            todo = [float(f"{pick / ratio:.3g}")] if room and pick == tried[0] < tried[-1] else todo
+            spent = len(scores) >= len(lrs) + TUNE_EXTEND
+            todo = [] if spent else _past_edge(pick, sorted(scores), ratio)
         result["cells"][cell.name] = {
             "label": cell.label,
             "scores": {f"{lr:g}": scores[lr] for lr in sorted(scores)},
@@ -431,6 +430,15 @@ def tune(draft: str, guidance: str, cells: list[Cell], steps: int, val_freq: int
     (out / "tuning.json").write_text(json.dumps(result, indent=1))
     (out / "tuning.md").write_text(tuning_markdown(result))
     return result
+
+
+def _past_edge(pick: float, tried: list[float], ratio: float) -> list[float]:
+    """The next rate past the edge of `tried` that `pick` lies on (the upper edge first), else []."""
+    if pick == tried[-1]:
+        return [float(f"{pick * ratio:.3g}")]
+    if pick == tried[0]:
+        return [float(f"{pick / ratio:.3g}")]
+    return []
 
 
 def _tune_score(cell: Cell, lr: float, draft: str, guidance: str, steps: int, val_freq: int,
