@@ -11,7 +11,9 @@ from verl.workers.rollout.speculative import ListedRows
 D = torch.float64
 
 
-def _chi2_ok(counts: torch.Tensor, probs: torch.Tensor) -> float:
+def chi2_counts_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square p-value of token `counts` against `probs` (cells of probability 0 left out and
+    required empty)."""
     keep = probs > 0
     assert counts[~keep].sum() == 0, "a token with zero probability was emitted"
     expected = probs[keep] * counts.sum()
@@ -20,7 +22,8 @@ def _chi2_ok(counts: torch.Tensor, probs: torch.Tensor) -> float:
     ).pvalue
 
 
-def _rows(ids: list[list[int]], probs: list[list[float]]) -> ListedRows:
+def listed_rows(ids: list[list[int]], probs: list[list[float]]) -> ListedRows:
+    """ListedRows from hand-written ids and probabilities."""
     with np.errstate(divide="ignore"):  # a probability 0 is listed as -inf
         return ListedRows(np.array(ids), np.log(np.array(probs)))
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from speculative_helpers import _chi2_ok
+from speculative_helpers import chi2_counts_pvalue
 from test_speculative import P_CHAIN, Q_CHAIN, ListedChainScorer, ListedChainStepper, V
 
 from verl.trainer.core_algos.guidance import (
@@ -156,7 +156,7 @@ def chain_pvalue(seqs, chain: torch.Tensor, length: int) -> float:
         for tok in np.unravel_index(index, (V,) * length):
             probs[index] *= chain[prev, tok].item()
             prev = tok
-    return _chi2_ok(torch.from_numpy(counts), torch.from_numpy(probs))
+    return chi2_counts_pvalue(torch.from_numpy(counts), torch.from_numpy(probs))
 
 
 @pytest.mark.parametrize(("lam", "tau", "k"), [(1.0, 2.0, 2), (0.8, 1.0, 1)])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from speculative_helpers import D, RecordingProbe, _chi2_ok, _rows
+from speculative_helpers import D, RecordingProbe, chi2_counts_pvalue, listed_rows
 
 from verl.workers.rollout.speculative import (
     ListedRows,
@@ -193,7 +193,7 @@ def test_listed_rows_topk_and_tail_mass_hand_values():
     # top-K repeat. Row 0: token 3 listed twice (sampled + top-K): Q_S = 0.5 + 0.2 + 0.1 = 0.8,
     # tail 0.2. Row 1: column 0 (token 7, 0.05) is not in S: Q_S = 0.6 + 0.2 + 0.1 = 0.9, tail 0.1
     # (not 1 - 0.95). Row 2 lists more than all the mass (rounding): the tail clips at 0.
-    rows = _rows([[3, 1, 3, 0], [7, 1, 3, 0], [1, 1, 2, 0]],
+    rows = listed_rows([[3, 1, 3, 0], [7, 1, 3, 0], [1, 1, 2, 0]],
                  [[0.2, 0.5, 0.2, 0.1], [0.05, 0.6, 0.2, 0.1], [0.7, 0.7, 0.2, 0.1 + 1e-9]])  # fmt: skip
     np.testing.assert_allclose(rows.topk_mass(), [0.8, 0.9, 1.0 + 1e-9], rtol=1e-12)
     np.testing.assert_allclose(rows.tail_mass(), [0.2, 0.1, 0.0], rtol=1e-12, atol=1e-15)
@@ -206,9 +206,11 @@ def test_listed_rows_lists_support_only_through_a_real_zero():
     """A row lists its whole support when its top-K lists a token of probability 0 (top-k or
     top-p cut inside the list): then an unlisted token has probability exactly 0. A repeat of
     column 0 read -inf (a de-duplicated row) is no such zero."""
-    cut = _rows([[0, 0, 1, 2]], [[0.625, 0.625, 0.375, 0.0]])  # top-p 0.7 of [.5, .3, .1, ...]
-    whole = _rows([[0, 0, 1, 2]], [[0.5, 0.5, 0.3, 0.1]])  # 0.1 of the mass is elsewhere
-    repeat = _rows([[3, 1, 3, 0]], [[0.2, 0.5, 0.0, 0.1]])  # token 3's repeat at -inf
+    cut = listed_rows(
+        [[0, 0, 1, 2]], [[0.625, 0.625, 0.375, 0.0]]
+    )  # top-p 0.7 of [.5, .3, .1, ...]
+    whole = listed_rows([[0, 0, 1, 2]], [[0.5, 0.5, 0.3, 0.1]])  # 0.1 of the mass is elsewhere
+    repeat = listed_rows([[3, 1, 3, 0]], [[0.2, 0.5, 0.0, 0.1]])  # token 3's repeat at -inf
     assert cut.lists_support().tolist() == [True]
     assert whole.lists_support().tolist() == [False]
     assert repeat.lists_support().tolist() == [False]
@@ -222,7 +224,7 @@ def test_listed_rows_lists_support_only_through_a_real_zero():
 def test_listed_rows_topk_reads_a_repeat_at_its_value():
     # row 0 lists token 3 first (0.2) and again in its top-3; topk gives the top-3 columns with
     # token 3 at 0.2, also where the repeat itself reads -inf (a de-duplicated row)
-    rows = _rows([[3, 1, 3, 0], [2, 5, 1, 4]], [[0.2, 0.5, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]])
+    rows = listed_rows([[3, 1, 3, 0], [2, 5, 1, 4]], [[0.2, 0.5, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]])
     deduped = ListedRows(rows.ids, rows.deduped())
     assert np.isneginf(deduped.log_probs[0, 2])
     for listed in (rows, deduped):
@@ -235,7 +237,7 @@ def test_listed_rows_topk_reads_a_repeat_at_its_value():
 
 
 def test_listed_rows_take_and_lookup_one_hand_values():
-    rows = _rows([[3, 1, 3, 0], [2, 2, 5, 1]], [[0.2, 0.5, 0.2, 0.1], [0.4, 0.4, 0.3, 0.2]])
+    rows = listed_rows([[3, 1, 3, 0], [2, 2, 5, 1]], [[0.2, 0.5, 0.2, 0.1], [0.4, 0.4, 0.3, 0.2]])
     # token 3 in row 0 and token 2 in row 1 repeat their column 0: the repeats read -inf
     deduped = rows.deduped()
     assert np.isneginf(deduped[0, 2]) and np.isneginf(deduped[1, 1])
@@ -251,7 +253,7 @@ def test_listed_rows_take_and_lookup_one_hand_values():
     assert ListedRows(rows.ids, deduped).lists_support().tolist() == [False, False]
     assert np.isnan(rows.lookup_one(tokens, unknown=np.nan)[1])
     assert rows.lookup_one(tokens, unknown=np.nan)[0] == pytest.approx(math.log(0.2))
-    zero = _rows([[3, 1, 0, 3]], [[0.2, 0.8, 0.0, 0.2]])  # lists token 0 with probability 0
+    zero = listed_rows([[3, 1, 0, 3]], [[0.2, 0.8, 0.0, 0.2]])  # lists token 0 with probability 0
     assert zero.lists_support().tolist() == [True]
     assert np.isneginf(zero.lookup_one(np.array([7]), unknown=np.nan)).all()
     # take: the chosen rows, their de-duplicated values carried over
@@ -259,7 +261,7 @@ def test_listed_rows_take_and_lookup_one_hand_values():
     assert taken.ids.tolist() == [[2, 2, 5, 1]]
     np.testing.assert_array_equal(taken.deduped(), deduped[[1]])
     np.testing.assert_array_equal(
-        _rows([[2, 2, 5, 1]], [[0.4, 0.4, 0.3, 0.2]]).deduped(), taken.deduped()
+        listed_rows([[2, 2, 5, 1]], [[0.4, 0.4, 0.3, 0.2]]).deduped(), taken.deduped()
     )
 
 
@@ -267,12 +269,12 @@ def test_verify_listed_hand_values():
     """Three sequences, k = 3, λ = 0.5; rows hold the proposal first, then a top-3 (repeats
     kept). S is the guidance row's top-3, q̃ = q / Q_S on S; accept x w.p. min(1, 0.5 + 0.5·q̃(x)/p(x))."""
     num = torch.tensor([2, 3, 1])
-    draft = _rows(
+    draft = listed_rows(
         [[4, 4, 7, 1], [7, 7, 1, 0], [2, 0, 5, 2], [0, 0, 1, 2], [9, 3, 9, 1], [5, 5, 2, 6]],
         [[0.5, 0.5, 0.3, 0.1], [0.6, 0.6, 0.2, 0.1], [0.2, 0.5, 0.3, 0.2],
          [0.7, 0.7, 0.1, 0.1], [0.1, 0.6, 0.1, 0.2], [0.4, 0.4, 0.3, 0.2]],
     )  # fmt: skip
-    guide = _rows(
+    guide = listed_rows(
         [[4, 2, 4, 0], [7, 1, 3, 7], [2, 2, 9, 0], [0, 0, 8, 1], [9, 9, 3, 2], [5, 6, 2, 5]],
         [[0.3, 0.4, 0.3, 0.2], [0.1, 0.5, 0.3, 0.1], [0.4, 0.4, 0.1, 0.3],
          [0.7, 0.7, 0.2, 0.05], [0.2, 0.2, 0.5, 0.1], [0.05, 0.5, 0.3, 0.05]],
@@ -327,7 +329,7 @@ def test_verify_listed_hand_values():
     # 0.4 * .48889 = .19556 passes 1 entry -> token 3 with p = 0 (log -inf)
     probs = np.exp(draft.log_probs)
     probs[1] = [0.6, 0.6, 0.4, 0.0]
-    cut = _rows(draft.ids.tolist(), probs.tolist())
+    cut = listed_rows(draft.ids.tolist(), probs.tolist())
     out = verify_listed(num, cut, guide, 0.5, u)
     assert out.tokens[0].tolist() == [4, 3, -1] and np.isneginf(out.draft_log_probs[0, 1].item())
     assert out.target_log_probs[0, 1].item() == pytest.approx(log(1 / 3))
@@ -440,14 +442,14 @@ def test_verify_listed_with_partial_lists_emits_the_truncated_target():
     out = verify_listed(num, draft, guide, lam, u, probe)
     first = out.tokens[:, 0].numpy()
     counts = torch.from_numpy(np.bincount(first, minlength=8)).to(D)
-    assert _chi2_ok(counts, torch.from_numpy(t)) > 1e-3
+    assert chi2_counts_pvalue(counts, torch.from_numpy(t)) > 1e-3
     q_lam = (1 - lam) * p + lam * q
     assert chisquare(counts.numpy(), q_lam * n).pvalue < 1e-6
     # the second token (where the first was accepted) follows t too
     second = out.tokens[:, 1].numpy()
     second = second[second >= 0]
     counts = torch.from_numpy(np.bincount(second, minlength=8)).to(D)
-    assert _chi2_ok(counts, torch.from_numpy(t)) > 1e-3
+    assert chi2_counts_pvalue(counts, torch.from_numpy(t)) > 1e-3
     # every rejection was probed (the draft row never lists all of S), at its position, for S
     assert len(calls) == 1
     rows, positions, tokens = calls[0]
@@ -468,7 +470,7 @@ def test_verify_listed_with_partial_lists_emits_the_truncated_target():
 
 
 def test_verify_listed_refuses_rows_of_different_proposals():
-    rows = _rows([[1, 2]], [[0.5, 0.5]])
-    other = _rows([[2, 1]], [[0.5, 0.5]])
+    rows = listed_rows([[1, 2]], [[0.5, 0.5]])
+    other = listed_rows([[2, 1]], [[0.5, 0.5]])
     with pytest.raises(RuntimeError, match="same proposals"):
         verify_listed(torch.tensor([1]), rows, other, 0.5, torch.zeros(1, 2, dtype=D))

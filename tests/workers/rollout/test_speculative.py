@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from speculative_helpers import D, _chi2_ok, _rows
+from speculative_helpers import D, chi2_counts_pvalue, listed_rows
 
 from verl.trainer.core_algos.guidance import mixture_log_probs
 from verl.workers.rollout.speculative import (
@@ -41,7 +41,7 @@ def test_single_step_emits_q_lambda(lam):
     assert torch.all(result.num_emitted == 1)
     counts = torch.bincount(result.tokens[:, 0], minlength=5).to(D)
     target = (1 - lam) * P1 + lam * Q1
-    assert _chi2_ok(counts, target) > 1e-3
+    assert chi2_counts_pvalue(counts, target) > 1e-3
     # provenance: λ = 0 never emits a guidance token; the off-policy share is TV(q_λ, p) = λ·TV(q, p)
     tv = 0.5 * (target - P1).abs().sum().item()
     share = result.offpolicy.double().mean().item()
@@ -91,7 +91,7 @@ def test_topk_guidance_lists_emit_the_truncated_target(lam):
     q_t = torch.tensor([0, 0, 0, 0.5, 0, 0.5], dtype=D)
     target = (1 - lam) * p + lam * q_t
     counts = torch.bincount(out.tokens[:, 0], minlength=6).to(D)
-    assert _chi2_ok(counts, target) > 1e-3
+    assert chi2_counts_pvalue(counts, target) > 1e-3
     y = out.tokens[:, 0]
     torch.testing.assert_close(out.target_log_probs[:, 0], q_t.log()[y])
     torch.testing.assert_close(out.draft_log_probs[:, 0], p.log()[y])
@@ -106,10 +106,10 @@ def test_topk_guidance_lists_emit_the_truncated_target(lam):
 def test_draw_bonus_hand_values():
     """λ = 0.5; rows 0, 1 and 3 draw y ~ q̃ (u < λ) from the guidance row's top-K columns only,
     row 2 keeps the draft's lookahead token; row 3's y is not in its draft row: probed."""
-    draft = _rows([[4, 4, 2, 9], [4, 4, 2, 9], [5, 1, 5, 3], [4, 4, 2, 9]],
+    draft = listed_rows([[4, 4, 2, 9], [4, 4, 2, 9], [5, 1, 5, 3], [4, 4, 2, 9]],
                   [[0.5, 0.5, 0.3, 0.1], [0.5, 0.5, 0.3, 0.1], [0.2, 0.4, 0.2, 0.1],
                    [0.5, 0.5, 0.3, 0.1]])  # fmt: skip
-    guide = _rows([[2, 2, 4, 7], [2, 2, 4, 7], [1, 1, 3, 0], [2, 2, 4, 7]],
+    guide = listed_rows([[2, 2, 4, 7], [2, 2, 4, 7], [1, 1, 3, 0], [2, 2, 4, 7]],
                   [[0.6, 0.6, 0.3, 0.1], [0.6, 0.6, 0.3, 0.1], [0.7, 0.7, 0.2, 0.05],
                    [0.6, 0.6, 0.3, 0.1]])  # fmt: skip
     # rows 0, 1, 3: S = [2, 4, 7] (column 0 is no entry of its own), q [.6, .3, .1], Q_S = 1:
@@ -141,12 +141,12 @@ def test_draw_bonus_hand_values():
     with pytest.raises(RuntimeError, match="no probe"):
         draw_bonus(draft, guide, 0.5, np.array([0.2, 0.4, 0.7, 0.48]))
     # the same row 2 after a top-k cut lists a zero (token 0): unlisted token 5 is an exact 0
-    cut = _rows([[1, 1, 3, 0]], [[0.7, 0.7, 0.3, 0.0]])
+    cut = listed_rows([[1, 1, 3, 0]], [[0.7, 0.7, 0.3, 0.0]])
     assert np.isneginf(draw_bonus(draft.take([2]), cut, 0.5, np.array([0.7]))["log_q"]).all()
     # a guidance row whose S is not all of q's mass: q̃ renormalises over it. S = [3, 1, 0] with
     # q [.2, .3, .1], Q_S = .6 (column 0, token 8 at .3, is not in S): u/λ = 0.8 * .6 = .48 passes
     # [.2] -> token 1, q̃ = .3/.6 = .5; tv = 0.5 * .4 = .2; p(1) = .4 from the draft row
-    part = _rows([[8, 3, 1, 0]], [[0.3, 0.2, 0.3, 0.1]])
+    part = listed_rows([[8, 3, 1, 0]], [[0.3, 0.2, 0.3, 0.1]])
     one = draw_bonus(draft.take([2]), part, 0.5, np.array([0.4]))
     assert one["tokens"].tolist() == [1] and one["offpolicy"].tolist() == [True]
     np.testing.assert_allclose([one["log_p"][0], one["log_q"][0], one["log_t"][0], one["tv"][0]],
@@ -212,7 +212,7 @@ def chain_pvalue(seqs: list, lam: float, length: int, q: torch.Tensor = Q_CHAIN)
     for s in seqs:
         counts[index[tuple(s.tokens)]] += 1
     probs = torch.tensor([chain_prob(o, lam, q=q) for o in outcomes], dtype=D)
-    return _chi2_ok(counts, probs)
+    return chi2_counts_pvalue(counts, probs)
 
 
 @pytest.mark.parametrize(("lam", "k"), [(0.5, 1), (0.5, 2), (0.5, 4), (1.0, 3), (0.0, 2), (0.8, 3)])
@@ -269,7 +269,7 @@ def test_eos_ends_a_sequence_and_lengths_follow_q_lambda():
         counts[index[tuple(s.tokens)]] += 1
     probs = torch.tensor([chain_prob(o, lam) for o in outcomes], dtype=D)
     assert probs.sum().item() == pytest.approx(1.0)
-    assert _chi2_ok(counts, probs) > 1e-3
+    assert chi2_counts_pvalue(counts, probs) > 1e-3
 
 
 def test_engines_get_the_index_of_each_active_sequence():
