@@ -143,9 +143,9 @@ GUIDED_KEYS = ["guidance/offpolicy_token_ratio", "guidance/is_weight_mean", "gui
                                   "worker": {"rollout": {"offpolicy_guidance": {"lam": 0.0}}}},
          [*DISTILL_KEYS[:3], "actor/distill_loss"]),
         ("mentor", overlay("mentor", worker={"rollout": {"offpolicy_guidance": {"guided_samples": 2}}},
-                           algorithm={"guided_advantage_decay_steps": 2}), MENTOR_KEYS),
+                           algorithm={"guided_advantage_decay_steps": 3}), MENTOR_KEYS),
         ("mentor_exact", overlay("mentor_exact", worker={"rollout": {"offpolicy_guidance": {"guided_samples": 2}}},
-                                 algorithm={"guided_advantage_decay_steps": 1}),
+                                 algorithm={"guided_advantage_decay_steps": 2}),
          [*MENTOR_KEYS, "guidance/is_weight_mean"]),
     ],
 )  # fmt: skip
@@ -277,22 +277,26 @@ def test_ctrl_c_ends_with_one_line_naming_the_step_and_the_checkpoint(assets, tm
 
 
 def check_mentor(name: str, steps: list[dict]) -> None:
-    """MENTOR's recipe over 2 steps (n = 4, 2 guided): step 1 guides with the gate at the floor
-    τ = 1.5, its unguided responses' draft entropies set step 2's τ (P95, at least the floor);
-    `mentor` decays over 2 steps (weights 1, ½ = ½(1 + cos(π/2))), `mentor_exact` over 1 step, so
-    its step 2 is unguided (λ = 0, no guidance token) and its step 1 has importance weights."""
+    """MENTOR's recipe over 2 steps (n = 4, 2 guided): step 1 guides with MENTOR's first-step
+    τ = 999 (a gate barely open: λ_t = H_t/999), its unguided responses' draft entropies set step
+    2's τ (P95, at least the floor 1.5). The weight at step n is ½(1 + cos(π n/S)), n counted from
+    1 as MENTOR does: `mentor` has S = 3, weights ½(1 + cos(π/3)) = 0.75 then ½(1 + cos(2π/3)) =
+    0.25; `mentor_exact` has S = 2, weights ½(1 + cos(π/2)) = 0.5 then 0, so its step 2 is
+    unguided (λ = 0, no guidance token) and its step 1 has importance weights."""
     first, second = steps
-    assert (
-        first["guidance/entropy_threshold"] == 1.5 and second["guidance/entropy_threshold"] >= 1.5
-    )
-    assert first["guidance/lambda"] == 1.0 and 0 < first["guidance/lambda_mean"] < 1
+    assert first["guidance/entropy_threshold"] == 999.0
+    assert second["guidance/entropy_threshold"] >= 1.5
+    # λ_t = min(1, H_t/999) with H_t <= log 128 = 4.85 for the tiny vocabulary: at most 0.0049
+    assert first["guidance/lambda"] == 1.0 and 0 < first["guidance/lambda_mean"] < 0.0049
     for key in ("gate_mean", "gate_open_frac", "subset_guided_score", "draft_entropy_mean"):
         assert f"guidance/{key}" in first, key
-    assert first["guidance/guided_adv_weight"] == 1.0
+    assert first["guidance/gate_open_frac"] == 0.0
     if name == "mentor":
-        assert second["guidance/guided_adv_weight"] == pytest.approx(0.5)
+        assert first["guidance/guided_adv_weight"] == pytest.approx(0.75, abs=1e-12)
+        assert second["guidance/guided_adv_weight"] == pytest.approx(0.25, abs=1e-12)
         assert all("guidance/is_weight_mean" not in r for r in steps)  # tis_level none
     else:
+        assert first["guidance/guided_adv_weight"] == pytest.approx(0.5, abs=1e-12)
         assert second["guidance/guided_adv_weight"] == 0.0
         assert second["guidance/lambda"] == 0.0 and second["guidance/offpolicy_token_ratio"] == 0.0
         assert second["guidance/lambda_mean"] == 0.0

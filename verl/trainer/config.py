@@ -145,7 +145,9 @@ class AlgorithmConfig:
     guided_advantage: str = "standard"
     """Advantages of guided responses (GUIDED_ADVANTAGES): standard (the estimator's, all alike) or mentor (unguided: GRPO among themselves; guided: max(r - unguided mean, 0) x a cosine-decayed weight)."""
     guided_advantage_decay_steps: int = 120
-    """mentor: steps over which the guided responses' weight decays (cosine) to 0; from then on the rollout is unguided."""
+    """mentor: S, the guided responses' weight at step n (1-based) is ½(1 + cos(π n/S)), 0 from step S on, where the rollout turns unguided."""
+    guided_advantage_cap: float | None = None
+    """mentor: a group's guided advantages are scaled down to sum to at most this, before the weight (MENTOR's expert_cap: 99; None: no cap)."""
     distill: DistillConfig = field(default_factory=DistillConfig)
     """On-policy distillation from the guidance model (README_guidance.md)."""
 
@@ -154,6 +156,8 @@ class AlgorithmConfig:
         check_choice(f"{prefix}.adv_estimator", self.adv_estimator, ADV_ESTIMATORS.names())
         check_choice(f"{prefix}.guided_advantage", self.guided_advantage, GUIDED_ADVANTAGES.names())
         check_range(f"{prefix}.guided_advantage_decay_steps", self.guided_advantage_decay_steps, 1)
+        if self.guided_advantage_cap is not None:
+            check_range(f"{prefix}.guided_advantage_cap", self.guided_advantage_cap, 0.0, low_open=True)
         check_choice(f"{prefix}.kl_penalty", self.kl_penalty, KL_ESTIMATORS.names())
         check_choice(f"{prefix}.tis_level", self.tis_level, ["auto", "none", *RATIO_LEVELS.names()])
         check_choice(f"{prefix}.mis_level", self.mis_level, ["none", *RATIO_LEVELS.names()])
@@ -321,9 +325,11 @@ class PPOConfig:
                 name,
                 "needs speculative guidance (worker.rollout.offpolicy_guidance.enable=true, mode=speculative)",
             )
-        if guidance.guided_samples is None or not 0 < guidance.guided_samples < rollout.n:
-            fail(key, name, f"needs worker.rollout.offpolicy_guidance.guided_samples in 1..{rollout.n - 1} "
-                 f"(some guided and some unguided responses per prompt; got {guidance.guided_samples})")  # fmt: skip
+        m = guidance.guided_samples
+        if m is None or not 0 < m <= rollout.n - 2:  # MENTOR asserts "GRPO needs rollout.n > 1"
+            fail(key, name, f"needs worker.rollout.offpolicy_guidance.guided_samples in 1..{rollout.n - 2} with "
+                 f"worker.rollout.n={rollout.n}: at least one guided and two unguided responses per prompt, "
+                 f"since the unguided ones get GRPO among themselves (got guided_samples={m})")  # fmt: skip
         if self.algorithm.adv_estimator != "grpo":
             fail(
                 key,

@@ -33,6 +33,7 @@ from verl.trainer.core_algos.guidance import (
     compute_guidance_diagnostics,
     compute_guidance_metrics,
     entropy_threshold,
+    lam_at_step,
     unguided_entropies,
 )
 from verl.trainer.core_algos.kl import apply_kl_penalty, compute_mismatch_metrics
@@ -78,6 +79,23 @@ def check_mismatch_kl(metrics: dict[str, float], bound: float | None, step: int)
     )
 
 
+def step_guidance(config: PPOConfig, step: int, total_steps: int) -> tuple[float, float | None]:
+    """This step's guidance strength λ and mentor weight, decided here and nowhere else.
+
+    `step` is the 1-based number of the step being run. λ follows `lam_schedule` over
+    `lam_schedule_steps` (`lam_at_step`); with `algorithm.guided_advantage=mentor` the weight is
+    MENTOR's w(step) and λ is 0 once it has decayed to 0 (the rollout turns unguided). The
+    rollout applies the λ it receives; the weight is None when the recipe is not mentor.
+    """
+    guidance, algo = config.worker.rollout.offpolicy_guidance, config.algorithm
+    lam = lam_at_step(step, total_steps, guidance.lam, guidance.lam_end, guidance.lam_schedule,
+                      guidance.lam_schedule_steps)  # fmt: skip
+    if algo.guided_advantage != "mentor":
+        return lam, None
+    weight = guided_advantage_weight(step, algo.guided_advantage_decay_steps)
+    return (lam if weight > 0 else 0.0), weight
+
+
 class RayPPOTrainer:
     """Builds the workers, then `fit()` runs validation, training steps, logging and checkpoints."""
 
@@ -96,7 +114,7 @@ class RayPPOTrainer:
         steps_per_epoch = len(self.train_loader)
         self.total_steps = trainer.max_steps or steps_per_epoch * trainer.total_epochs
         self.run_dir = trainer.save_checkpoint_path
-        self.global_step = 0
+        self.global_step = 0  # steps done; while a step runs, its 1-based number (step 1 is the first)
         self.use_gpu = trainer.use_gpu
         self._warned_single_sample = False
         self._bucket_plan: list[list[str]] | None = None
@@ -104,7 +122,8 @@ class RayPPOTrainer:
         self.guidance_placement: Placement | None = None  # dedicated guidance GPUs
         self.seen_indices: list[list[int]] = []  # dataset rows of each step (resume checks)
         guidance = config.worker.rollout.offpolicy_guidance
-        self.entropy_tau = guidance.entropy_threshold  # τ of the entropy gate (the floor at first)
+        first_tau = guidance.first_step_entropy_threshold
+        self.entropy_tau = guidance.entropy_threshold if first_tau is None else first_tau  # τ of the gate
 
     # ------------------------------------------------------------------ workers
     def init_workers(self) -> None:
@@ -161,10 +180,8 @@ class RayPPOTrainer:
         batch.non_tensor_batch["uid"] = np.array(
             [f"{self.global_step}-{i}" for i in range(len(batch))], dtype=object
         )
-        batch.meta_info.update(global_step=self.global_step, total_steps=self.total_steps,
-                               entropy_threshold=self.entropy_tau)  # fmt: skip
-        if self._guided_weight() == 0.0:  # mentor's guidance has faded out: the draft alone
-            batch.meta_info["lam"] = 0.0
+        lam, _ = step_guidance(cfg, self.global_step, self.total_steps)
+        batch.meta_info.update(global_step=self.global_step, lam=lam, entropy_threshold=self.entropy_tau)
         with timed("gen", metrics):
             out = self.rollout.generate_sequences(batch)
         meta = out.meta_info
@@ -179,13 +196,6 @@ class RayPPOTrainer:
             metrics[M.GUIDANCE_TARGET_TV] = meta["target_tv"]
         out.meta_info = {"temperature": cfg.worker.rollout.temperature, "lam": meta.get("lam", 0.0)}
         return out
-
-    def _guided_weight(self) -> float | None:
-        """mentor: this step's weight of the guided responses' advantages (None: not mentor)."""
-        algo = self.config.algorithm
-        if algo.guided_advantage != "mentor":
-            return None
-        return guided_advantage_weight(self.global_step - 1, algo.guided_advantage_decay_steps)
 
     def _gate_stats(self, out: DataProto, lam: float, metrics: dict) -> None:
         """guidance/lambda_mean and the gate's metrics; τ of the next step's gate (a percentile of
@@ -265,12 +275,12 @@ class RayPPOTrainer:
             sum_pi_squared=b.get("sum_pi_squared"), rollout_is_weights=b.get("importance_weights"),
             otb_epsilon=algo.otb_epsilon, otb_handle_zero_tail=algo.otb_handle_zero_tail,
         )  # fmt: skip
-        weight = self._guided_weight()
+        _, weight = step_guidance(cfg, self.global_step, self.total_steps)
         if weight is not None:  # mentor: guided responses only count where they beat the others
             guided = b["guided_responses"]
             advantages = GUIDED_ADVANTAGES.get(algo.guided_advantage)(
                 advantages=advantages, token_level_rewards=rewards, response_mask=b["response_mask"],
-                index=batch.non_tensor_batch["uid"], guided=guided, weight=weight,
+                index=batch.non_tensor_batch["uid"], guided=guided, weight=weight, cap=algo.guided_advantage_cap,
                 epsilon=algo.adv_epsilon, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)  # fmt: skip
             returns = advantages
             metrics[M.GUIDANCE_GUIDED_ADV_WEIGHT] = weight

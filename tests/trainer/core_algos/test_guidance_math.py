@@ -72,28 +72,41 @@ def test_lam_out_of_range_raises():
         mixture_log_probs(logt([[0.5]]), logt([[0.5]]), torch.tensor([[0]]), 1.2)
 
 
+# λ from 0.8 to 0.2. Steps are 1-based (the first training step is 1): progress = (s - 1)/S,
+# clipped to [0, 1], S = lam_schedule_steps or, unset, the run's steps - 1.
 @pytest.mark.parametrize(
-    ("schedule", "step", "expected"),
+    ("schedule", "step", "total", "span", "expected"),
     [
-        ("constant", 7, 0.8),
-        ("linear", 0, 0.8),
-        ("linear", 5, 0.5),  # 0.8 + (0.2 - 0.8)·5/10
-        ("linear", 10, 0.2),
-        ("linear", 25, 0.2),  # clipped after the end
-        ("cosine", 0, 0.8),
-        ("cosine", 5, 0.5),  # 0.2 + 0.6·(1 + cos(π/2))/2 = 0.2 + 0.3
-        ("cosine", 10, 0.2),
+        ("constant", 1, 100, 10, 0.8),
+        ("constant", 40, 100, None, 0.8),
+        # S = 10 set (a 100-step run): first step, a middle one, the schedule's last, past it
+        ("linear", 1, 100, 10, 0.8),  # progress 0
+        ("linear", 3, 100, 10, 0.68),  # 0.8 - 0.6·2/10
+        ("linear", 6, 100, 10, 0.5),  # 0.8 - 0.6·5/10
+        ("linear", 11, 100, 10, 0.2),  # progress 10/10: the schedule's end
+        ("linear", 30, 100, 10, 0.2),  # held after it
+        ("cosine", 1, 100, 10, 0.8),
+        ("cosine", 3, 100, 10, 0.2 + 0.3 * (1 + math.cos(0.2 * math.pi))),  # 0.742705
+        ("cosine", 6, 100, 10, 0.5),  # 0.2 + 0.6·(1 + cos(π/2))/2
+        ("cosine", 11, 100, 10, 0.2),
+        ("cosine", 30, 100, 10, 0.2),
+        # unset: a 5-step run has S = 4, so step 5 (the run's last) uses lam_end
+        ("linear", 1, 5, None, 0.8),
+        ("linear", 3, 5, None, 0.5),  # progress 2/4
+        ("linear", 5, 5, None, 0.2),
+        ("linear", 6, 5, None, 0.2),
+        ("cosine", 1, 5, None, 0.8),
+        ("cosine", 2, 5, None, 0.2 + 0.3 * (1 + math.sqrt(0.5))),  # progress 1/4: 0.712132
+        ("cosine", 3, 5, None, 0.5),
+        ("cosine", 5, 5, None, 0.2),
+        ("linear", 1, 1, None, 0.8),  # a 1-step run: S = max(0, 1) = 1, its only step uses lam
     ],
 )
-def test_lam_schedules(schedule, step, expected):
-    assert lam_at_step(step, 10, 0.8, 0.2, schedule) == pytest.approx(expected, abs=1e-12)
+def test_lam_schedules(schedule, step, total, span, expected):
+    assert lam_at_step(step, total, 0.8, 0.2, schedule, span) == pytest.approx(expected, abs=1e-12)
 
 
-def test_cosine_schedule_quarter_point():
-    # s = 1/4: 0.2 + 0.6·(1 + cos(π/4))/2 = 0.2 + 0.3·(1 + 0.7071068) = 0.7121320
-    assert lam_at_step(1, 4, 0.8, 0.2, "cosine") == pytest.approx(
-        0.2 + 0.3 * (1 + math.sqrt(0.5)), abs=1e-12
-    )
+def test_lam_schedule_names():
     assert LAM_SCHEDULES.names() == ["constant", "cosine", "linear"]
 
 

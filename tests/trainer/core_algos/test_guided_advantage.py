@@ -288,7 +288,7 @@ def _random_batch(seed: int, dtype=F64, max_group: int = 7, width: int = 6):
     return rewards, mask, index, torch.tensor([guided[i] for i in order], dtype=torch.bool)
 
 
-def ref_mentor(rewards, mask, index, guided, weight, eps=EPS, norm=True) -> torch.Tensor:
+def ref_mentor(rewards, mask, index, guided, weight, eps=EPS, norm=True, cap=None) -> torch.Tensor:
     r, m, flags = rewards.tolist(), mask.tolist(), guided.tolist()
     scores = [sum(a * b for a, b in zip(rr, mm)) for rr, mm in zip(r, m)]
     groups: dict[str, list[int]] = defaultdict(list)
@@ -299,11 +299,13 @@ def ref_mentor(rewards, mask, index, guided, weight, eps=EPS, norm=True) -> torc
         plain = [i for i in members if not flags[i]]
         n = len(plain)
         mean = sum(scores[i] for i in plain) / n
+        total = sum(max(scores[i] - mean, 0.0) for i in members if flags[i])
+        scale = cap / total if cap is not None and total > cap else 1.0
         std = math.sqrt(sum((scores[i] - mean) ** 2 for i in plain) / (n - 1)) if n > 1 else None
         for i in members:
             gap = scores[i] - mean
             if flags[i]:
-                value = max(gap, 0.0) * weight
+                value = max(gap, 0.0) * scale * weight
             elif std is None:  # a lone unguided response: no baseline
                 value = scores[i]
             elif norm:
@@ -347,3 +349,29 @@ def test_mentor_padding_is_exactly_zero_and_ignored(seed):
     assert torch.all(out == out[:, :1] * mask)  # one value per response, broadcast
     noisy = torch.where(mask.bool(), rewards, torch.full_like(rewards, 1e6))
     assert torch.equal(_mentor(noisy, mask, index, guided, 0.6), out)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("cap", [0.05, 0.5, 99.0])
+def test_mentor_cap_matches_loop_reference(seed, cap):
+    rewards, mask, index, guided = _random_batch(seed)
+    out = _mentor(rewards, mask, index, guided, 0.7, cap=cap)
+    torch.testing.assert_close(out, ref_mentor(rewards, mask, index, guided, 0.7, cap=cap),
+                               rtol=0, atol=1e-10)  # fmt: skip
+
+
+def test_mentor_cap_hand_values():
+    """MENTOR's expert_cap: a group's guided advantages summing above the cap are scaled to it,
+    then weighted. Group a: unguided scores 0 and 1 (mean 0.5), guided 1 and 1: gaps 0.5 + 0.5 =
+    1.0 > cap 0.6, so each becomes 0.5 x 0.6/1.0 = 0.3, x w 0.5 = 0.15. Group b: unguided 0 and 0
+    (mean 0), guided 0.25: sum 0.25 <= 0.6, unchanged: 0.25 x 0.5 = 0.125."""
+    rewards = _t([[0.0], [1.0], [1.0], [1.0], [0.0], [0.0], [0.25]])
+    mask = torch.ones_like(rewards)
+    index = _uids("a", "a", "a", "a", "b", "b", "b")
+    guided = torch.tensor([False, False, True, True, False, False, True])
+    out = _mentor(rewards, mask, index, guided, 0.5, cap=0.6, norm_adv_by_std_in_grpo=False)
+    # unguided, Dr. GRPO form: a: 0 - 0.5, 1 - 0.5; b: 0, 0
+    expected = _t([[-0.5], [0.5], [0.15], [0.15], [0.0], [0.0], [0.125]])
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-15)
+    uncapped = _mentor(rewards, mask, index, guided, 0.5, norm_adv_by_std_in_grpo=False)
+    assert uncapped[2, 0].item() == 0.25 and uncapped[6, 0].item() == 0.125  # 0.5 x 0.5; cap off

@@ -273,10 +273,11 @@ def standard_guided_advantage(advantages: torch.Tensor, **_: Any) -> torch.Tenso
 
 
 def guided_advantage_weight(step: int, decay_steps: int) -> float:
-    """MENTOR's cosine decay of the guided responses' weight: w(s) = ½(1 + cos(π s / S)).
+    """MENTOR's cosine decay of the guided responses' weight: w(n) = ½(1 + cos(π n / S)).
 
-    `step` s is the 0-based global step, `decay_steps` S; w = 1 at s = 0, ½ at s = S/2, and 0
-    for s outside [0, S) (from then on the rollout is unguided).
+    `step` n is the 1-based number of the step being run, as MENTOR counts it (its counter is
+    incremented before w is computed, so its first step already uses w(1) < 1); `decay_steps` S.
+    w = ½ at n = S/2 and 0 for n outside [0, S): from step S on the rollout is unguided.
     Paper: https://arxiv.org/abs/2510.04140 (MENTOR).
     """
     if not 0 <= step < decay_steps:
@@ -294,9 +295,10 @@ def mentor_guided_advantage(
     weight: float,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
+    cap: float | None = None,
     **_: Any,
 ) -> torch.Tensor:
-    """MENTOR: unguided A_i = (R_i - mean_u R) / (std_u R + ε); guided A_i = max(R_i - mean_u R, 0)·w.
+    """MENTOR: unguided A_i = (R_i - mean_u R) / (std_u R + ε); guided A_i = c_g·max(R_i - mean_u R, 0)·w.
 
     mean_u and std_u (unbiased) pool only the *unguided* responses of each group, so the
     unguided ones get GRPO among themselves and a guided response counts only where it beats
@@ -304,6 +306,8 @@ def mentor_guided_advantage(
     conventions hold on the unguided subset: without `norm_adv_by_std_in_grpo` there is no std
     division, and a lone unguided response has no baseline (its raw return); guided responses
     are always compared with the unguided mean, a lone unguided response's return included.
+    `cap` (MENTOR's expert_cap, None: off) bounds a group's guided advantages: where their sum
+    D_g = Σ_guided max(R_i - mean_u R, 0) exceeds it, c_g = cap / D_g, else c_g = 1.
     `advantages` (the estimator's output) is ignored. A group with guided but no unguided
     responses raises ValueError. With no guided response this is exactly GRPO.
     Shapes: rewards, mask (B, T); index, guided (B,); returns (B, T), zero on padding.
@@ -332,8 +336,10 @@ def mentor_guided_advantage(
         centered = torch.where(single, scores, scores - mean[ids])
         if norm_adv_by_std_in_grpo:
             centered = torch.where(single, centered, centered / (std[ids] + epsilon))
-        beat = (scores - mean[ids]).clamp(
-            min=0
-        ) * weight  # guided: against the unguided mean, no std
+        beat = (scores - mean[ids]).clamp(min=0)  # guided: against the unguided mean, no std
+        if cap is not None:  # a group's guided advantages sum to at most `cap`
+            total = _group_sum(beat * is_guided.to(scores.dtype), ids, num_groups)
+            beat = beat * torch.where(total > cap, cap / total.clamp(min=1e-30), 1.0)[ids]
+        beat = beat * weight
         adv = torch.where(is_guided, beat, centered)
         return adv.unsqueeze(-1) * response_mask

@@ -171,7 +171,7 @@ def lam_constant(start: float, end: float, progress: float) -> float:
 
 @LAM_SCHEDULES.register("linear")
 def lam_linear(start: float, end: float, progress: float) -> float:
-    """λ(s) = λ_0 + (λ_end - λ_0)·s, s = step / steps clipped to [0, 1]."""
+    """λ(s) = λ_0 + (λ_end - λ_0)·s, s the schedule's progress in [0, 1] (`lam_at_step`)."""
     return start + (end - start) * progress
 
 
@@ -182,10 +182,22 @@ def lam_cosine(start: float, end: float, progress: float) -> float:
 
 
 def lam_at_step(
-    step: int, total_steps: int, lam: float, lam_end: float, schedule: str = "constant"
+    step: int,
+    total_steps: int,
+    lam: float,
+    lam_end: float,
+    schedule: str = "constant",
+    schedule_steps: int | None = None,
 ) -> float:
-    """Guidance strength at training `step` (0-based) of `total_steps` under `schedule`."""
-    progress = min(max(step / max(total_steps, 1), 0.0), 1.0)
+    """λ of training step `step` under `schedule`: λ(s) = f(lam, lam_end, clip((s - 1)/S, 0, 1)).
+
+    Steps are counted as the trainer counts them: `step` is the 1-based number of the step being
+    run (the first step is 1; checkpoint global_step_<n> is saved after step n). The first step
+    uses `lam` exactly and step 1 + S and every later one `lam_end`, S = `schedule_steps`, or
+    S = total_steps - 1 when it is None so that the run's last step uses `lam_end` (S >= 1).
+    """
+    span = schedule_steps if schedule_steps is not None else total_steps - 1
+    progress = min(max((step - 1) / max(span, 1), 0.0), 1.0)
     return LAM_SCHEDULES.get(schedule)(lam, lam_end, progress)
 
 

@@ -39,17 +39,19 @@ class OffPolicyGuidanceConfig:
     mode: str = "speculative"
     """Guidance mode: token-level speculative mixing or sequence-level mix (GUIDANCE_MODES)."""
     lam: float = 0.5
-    """Guidance strength λ in [0, 1] at step 0: emitted tokens follow (1-λ)·p + λ·q."""
+    """Guidance strength λ in [0, 1] at the first step: emitted tokens follow (1-λ)·p + λ·q (the trainer schedules it and sends each step's λ to the rollout)."""
     lam_schedule: str = "constant"
     """Schedule of λ over training steps (LAM_SCHEDULES)."""
     lam_end: float = 0.0
     """λ at the end of the schedule (ignored by `constant`)."""
     lam_schedule_steps: int | None = None
-    """Steps over which λ moves from `lam` to `lam_end` (None: the whole run)."""
+    """S: λ moves from `lam` at step 1 to `lam_end` at step 1 + S and stays there (None: S = the run's steps - 1, so its last step uses `lam_end`)."""
     lam_gate: str = "none"
     """Speculative mode: per-position λ_t = λ·gate(H_t), H_t the draft's entropy where it proposes (LAM_GATES; entropy: min(1, H_t/τ), MENTOR)."""
     entropy_threshold: float = 1.5
     """τ of the entropy gate, or its floor when `entropy_percentile` is set."""
+    first_step_entropy_threshold: float | None = None
+    """Entropy gate: τ of the first training step, before any entropy percentile is known (None: `entropy_threshold`; MENTOR: 999, a gate barely open)."""
     entropy_percentile: float | None = None
     """Entropy gate: τ = max(this percentile of the previous step's draft entropies on unguided responses, `entropy_threshold`) (None: τ fixed; MENTOR: 95)."""
     guided_samples: int | None = None
@@ -94,6 +96,9 @@ class OffPolicyGuidanceConfig:
         check_range(f"{prefix}.entropy_threshold", self.entropy_threshold, 0.0, low_open=True)
         if self.entropy_percentile is not None:
             check_range(f"{prefix}.entropy_percentile", self.entropy_percentile, 0.0, 100.0)
+        if self.first_step_entropy_threshold is not None:
+            check_range(f"{prefix}.first_step_entropy_threshold", self.first_step_entropy_threshold,
+                        0.0, low_open=True)  # fmt: skip
         if self.guided_samples is not None:
             check_range(f"{prefix}.guided_samples", self.guided_samples, 0, rollout_n)
             if self.mode != "speculative":

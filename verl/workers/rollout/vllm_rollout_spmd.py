@@ -26,7 +26,6 @@ from verl.trainer.core_algos.guidance import (
     LAM_GATES,
     LOG_PROB_FLOOR,
     guidance_tensors,
-    lam_at_step,
 )
 from verl.workers.rollout.config import OffPolicyGuidanceConfig, RolloutConfig
 from verl.workers.rollout.guidance_server import GuidanceChannel, GuidanceClient, GuidanceProcess
@@ -330,9 +329,9 @@ class VLLMRollout:
         ):  # e.g. validation: the draft alone
             seqs, stats, lam = self._draft_only(repeated, seeds[:, 0]), None, 0.0
         else:
-            lam = float(meta["lam"]) if "lam" in meta else lam_at_step(
-                int(meta.get("global_step", 0)), int(meta.get("total_steps", 1) or 1),
-                guidance.lam, guidance.lam_end, guidance.lam_schedule)  # fmt: skip
+            # the step's λ as the trainer scheduled it (`ray_trainer.step_guidance`); a caller
+            # outside the trainer (a test, a benchmark) that sends none gets the configured `lam`
+            lam = float(meta.get("lam", guidance.lam))
             subset = n if guidance.guided_samples is None else guidance.guided_samples
             if guidance.mode == "mix":
                 seqs, stats = self._mix(repeated, n, seeds[:, 0]), None
