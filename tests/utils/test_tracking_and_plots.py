@@ -60,3 +60,40 @@ def test_plots_cover_reward_guidance_mismatch_distill_and_weights(tmp_path):
     cli = subprocess.run([sys.executable, "-m", "verl.tools.plot_metrics", str(tmp_path)], capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert cli.returncode == 0 and "reward.png" in cli.stdout
+
+
+SAMPLES = [{"prompt": "7+8=", "response": "15", "ground_truth": "15", "score": 1.0},
+           {"prompt": "a long\nprompt " * 20, "response": "3", "ground_truth": "4", "score": 0.0}]  # fmt: skip
+
+
+def test_validation_samples_go_to_their_own_file_and_a_short_console_line_each(tmp_path, capsys):
+    tracker = Tracking(["console", "file"], "p", "e", str(tmp_path), {}, total_steps=4)
+    tracker.log_generations(SAMPLES, step=0)
+    tracker.log_generations([], step=1)  # nothing to log: nothing written
+    tracker.log_generations(SAMPLES, step=2)
+    tracker.finish()
+    rows = [json.loads(line) for line in open(tmp_path / "val_generations.jsonl")]
+    assert rows == [{"step": step, **sample} for step in (0, 2) for sample in SAMPLES]
+    assert not (tmp_path / "experiment_log.jsonl").read_text()  # the metrics file stays flat
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("val step")]
+    assert lines[0] == "val step 0 | score 1 | 7+8= -> 15 (truth 15)"
+    assert len(lines) == 4 and all(len(line) < 200 and "\n" not in line for line in lines)
+    assert lines[1].startswith("val step 0 | score 0 | a long⏎prompt a long⏎prompt")
+
+
+def test_offline_wandb_gets_a_table_of_every_validation_so_far(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracker = Tracking(["wandb"], "p", "e", str(tmp_path), {}, total_steps=2)
+    tracker.log_generations(SAMPLES, step=0)
+    tracker.log_generations(SAMPLES[:1], step=2)
+    tracker.finish()
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    tables = [json.loads(path.read_text()) for path in (run / "files/media/table/val").iterdir()]
+    assert all(
+        name.startswith("generations_") for name in os.listdir(run / "files/media/table/val")
+    )
+    last = max(tables, key=lambda table: len(table["data"]))
+    assert last["columns"] == ["step", "prompt", "response", "ground_truth", "score"]
+    assert last["data"] == [[0, *SAMPLES[0].values()], [0, *SAMPLES[1].values()],
+                            [2, *SAMPLES[0].values()]]  # fmt: skip

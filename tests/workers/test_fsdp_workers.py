@@ -148,8 +148,6 @@ def _update_data(group, seed):
 
 
 def test_data_parallel_update_equals_single_process_update(model_path, ray_cluster):
-    from transformers import AutoModelForCausalLM
-
     group = start_group(model_path, 2)
     try:
         data = _update_data(group, seed=7)
@@ -157,7 +155,14 @@ def test_data_parallel_update_equals_single_process_update(model_path, ray_clust
         after = group.execute_all("full_state_dict")[0]
     finally:
         group.shutdown()
-    # the same step on one process, whole batch, same optimizer and schedule
+    _assert_single_process_step(model_path, data, metrics, after)
+
+
+def _assert_single_process_step(model_path, data, metrics, after) -> None:
+    """The same step on one process, whole batch, same optimizer and schedule, ends with the
+    weights `after` and the loss and grad norm of `metrics`."""
+    from transformers import AutoModelForCausalLM
+
     cfg = worker_config(model_path).actor
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     optimizer = torch.optim.AdamW(
@@ -244,6 +249,38 @@ def test_colocated_actor_and_reference_in_one_process(model_path, ray_cluster):
         assert not torch.allclose(moved, initial)
     finally:
         group.shutdown()
+
+
+def test_zero2_sharding_and_cpu_offload_keys_train_like_one_process(model_path, ray_cluster):
+    """`fsdp.enable_full_shard=false` and every offload key on CPU ranks: the offload keys are
+    announced once (rank 0, one line) and move nothing; log-probs, the reference and the
+    update are those of plain HF and of one process (what the sharding changes is tested in
+    tests/utils/test_fsdp_sharding_offload.py)."""
+    from verl.workers.actor.config import FSDPConfig, OffloadConfig
+
+    cfg = worker_config(model_path, fsdp=FSDPConfig(enable_full_shard=False),
+                        offload=OffloadConfig(offload_params=True, offload_optimizer=True))  # fmt: skip
+    cfg.ref.fsdp.enable_full_shard = False
+    cfg.ref.offload.offload_params = True
+    group = RayWorkerGroup(FSDPWorker, 2, cfg, "actor_ref")
+    try:
+        keys = ["worker.actor.offload.offload_params", "worker.actor.offload.offload_optimizer",
+                "worker.ref.offload.offload_params"]  # fmt: skip
+        notice = f"{', '.join(keys)}: no effect on CPU (tensors already live in host memory)"
+        assert group.execute_all("init_model") == [[notice], []]
+        probe = make_batch(seed=23)
+        mask = probe.batch["response_mask"].bool()
+        expected = reference_log_probs(model_path, probe)[mask]
+        for key, method in (("ref_log_probs", "compute_ref_log_prob"),
+                            ("old_log_probs", "compute_log_prob")):  # fmt: skip
+            got = group.dispatch(method, probe).batch[key][mask]
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        data = _update_data(group, seed=7)
+        metrics = reduce_metrics(group.execute_dp("update_actor", data))
+        after = group.execute_all("full_state_dict")[0]
+    finally:
+        group.shutdown()
+    _assert_single_process_step(model_path, data, metrics, after)
 
 
 @pytest.mark.gpu

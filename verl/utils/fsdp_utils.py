@@ -135,10 +135,17 @@ def apply_fsdp2(
     mesh: DeviceMesh,
     param_dtype: str | None = None,
     reduce_dtype: str = "float32",
+    full_shard: bool = True,
 ) -> nn.Module:
     """Shard every decoder layer, then the root (embeddings, norm, head), with `fully_shard`.
 
-    Mixed precision applies on GPU only; CPU computes in the parameters' dtype.
+    `full_shard` (`fsdp.enable_full_shard`): True, each layer frees its gathered parameters after
+    forward and gathers them again in backward (ZeRO-3); False, `reshard_after_forward=False` on
+    the layers: what forward gathered stays until backward has used it (FSDP1's SHARD_GRAD_OP,
+    ZeRO-2: one all-gather per layer and step instead of two, the whole unsharded model resident
+    during forward/backward). The root keeps FSDP2's own rule either way (not resharded after
+    forward). Gradients and optimizer state are sharded in both. Mixed precision applies on GPU
+    only; CPU computes in the parameters' dtype.
     """
     mp = None
     if device_type() == "cuda" and param_dtype is not None:
@@ -148,9 +155,76 @@ def apply_fsdp2(
     kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp is not None else {})
     layers = getattr(getattr(model, "model", None), "layers", None)
     for layer in layers if layers is not None else []:
-        fully_shard(layer, **kwargs)
+        fully_shard(layer, reshard_after_forward=full_shard, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every FSDP2 group's gathered parameters (a no-grad forward leaves those of the root,
+    and with `full_shard=False` of every layer, gathered until the next backward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def offload_notice(flags: dict[str, bool], device: str) -> str | None:
+    """The one line saying that the offload keys set in `flags` (config key -> value) do nothing
+    on `device` "cpu" (None when none is set, or on a GPU)."""
+    on = [key for key, value in flags.items() if value]
+    if device != "cpu" or not on:
+        return None
+    return f"{', '.join(on)}: no effect on CPU (tensors already live in host memory)"
+
+
+class Offloader:
+    """Moves one module's parameters (with their gradients) and/or its optimizer's state to host
+    memory between stages (`offload`) and back to `device` before use (`load`). Both are
+    idempotent. Inactive (nothing moves) on a "cpu" device or with neither flag set."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, params: bool,
+                 optimizer_state: bool, device: str | torch.device) -> None:  # fmt: skip
+        self.module, self.optimizer, self.device = module, optimizer, torch.device(device)
+        self.params = params and self.device.type != "cpu"
+        self.optimizer_state = (
+            optimizer_state and optimizer is not None and self.device.type != "cpu"
+        )
+        self.resident = True  # where init left them: on `device`
+        self._moved: list[tuple[dict, str]] = []  # optimizer state entries sent to host memory
+
+    @property
+    def active(self) -> bool:
+        """Whether anything moves."""
+        return self.params or self.optimizer_state
+
+    @torch.no_grad()
+    def offload(self) -> None:
+        """Parameters (sharded, with their gradients) and/or optimizer state to host memory."""
+        if not self.active or not self.resident:
+            return
+        if self.params:
+            self.module.to("cpu")  # FSDP2 reshards first; DTensor parameters keep their identity
+        if self.optimizer_state:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.device.type == self.device.type:
+                        state[key] = value.to("cpu")
+                        self._moved.append((state, key))
+        self.resident = False
+
+    @torch.no_grad()
+    def load(self) -> None:
+        """Everything `offload` moved, back on `device`."""
+        if not self.active or self.resident:
+            return
+        if self.params:
+            self.module.to(self.device)
+        for state, key in self._moved:
+            state[key] = state[key].to(self.device)
+        self._moved.clear()
+        self.resident = True
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -175,7 +249,9 @@ def bucket_plan(model: nn.Module, bucket_bytes: int) -> list[list[str]]:
 
 
 def full_tensors(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
-    """The unsharded CPU tensors of `names`; a collective (every rank calls with the same names)."""
+    """The unsharded CPU tensors of `names`; a collective (every rank calls with the same names).
+    Shards offloaded to host memory (`Offloader`) are gathered one tensor at a time on the mesh's
+    device, without loading the whole model."""
     from torch.distributed.tensor import DTensor
 
     state = model.state_dict()
@@ -183,6 +259,12 @@ def full_tensors(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
     for name in names:
         tensor = state[name]
         if isinstance(tensor, DTensor):
+            mesh = tensor.device_mesh
+            if (
+                tensor.device.type != mesh.device_type
+            ):  # an offloaded shard: gathered on the mesh's device
+                tensor = DTensor.from_local(tensor.to_local().to(mesh.device_type), mesh, tensor.placements,
+                                            run_check=False, shape=tensor.shape, stride=tensor.stride())  # fmt: skip
             tensor = tensor.full_tensor()
         out[name] = tensor.detach().cpu()
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from verl.utils.config_checks import fail
 from verl.workers.actor.config import ActorConfig, RefConfig
 from verl.workers.reward.config import RewardConfig
 from verl.workers.rollout.config import RolloutConfig
@@ -14,7 +15,7 @@ class WorkerConfig:
     """Everything the Ray workers need."""
 
     hybrid_engine: bool = True
-    """Actor and rollout share the same workers (colocated)."""
+    """Must be true (EasyR1's key, kept for its configs): the actor's FSDP ranks and the draft engines always share the GPUs (or the CPU); false is refused in one line."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     """The trained policy (draft)."""
     ref: RefConfig = field(default_factory=RefConfig)
@@ -26,6 +27,9 @@ class WorkerConfig:
 
     def validate(self, prefix: str) -> None:
         """Fail fast on bad values in every sub-section."""
+        if self.hybrid_engine is not True:
+            fail(f"{prefix}.hybrid_engine", self.hybrid_engine,
+                 "expected true: actor and rollout are always colocated")  # fmt: skip
         self.actor.validate(f"{prefix}.actor")
         self.ref.validate(f"{prefix}.ref")
         self.rollout.validate(f"{prefix}.rollout")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import ray
@@ -19,6 +21,7 @@ from verl.protocol import DataProto
 from verl.utils.checkpoint import FSDPCheckpointManager, export_hf
 from verl.utils.fsdp_utils import (
     DTYPES,
+    Offloader,
     apply_fsdp2,
     bucket_plan,
     device_type,
@@ -27,7 +30,9 @@ from verl.utils.fsdp_utils import (
     full_tensors,
     init_distributed,
     load_hf_model,
+    offload_notice,
     release_cuda_cache,
+    reshard_all,
 )
 from verl.utils.shared_tensors import SharedTensors, to_shared
 from verl.utils.worker_logs import redirect_worker_output
@@ -42,7 +47,11 @@ def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, optim: OptimConfig
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up, then constant or cosine decay to `min_lr_ratio`·lr over `training_steps`."""
-    total = max(optim.training_steps, 1)
+    if optim.training_steps is None:
+        raise ValueError(
+            "worker.actor.optim.training_steps is unset: the trainer fills it before the workers start"
+        )
+    total = optim.training_steps
     warmup = (
         optim.lr_warmup_steps
         if optim.lr_warmup_steps is not None
@@ -65,6 +74,8 @@ def build_lr_scheduler(
 class FSDPWorker:
     """A data-parallel rank holding the models of its `role`: 'actor' (trained), 'ref' (frozen
     initial policy) or 'actor_ref' (both in one process, the colocated layout)."""
+
+    _offloaders: dict[str, Offloader] = {}  # noqa: RUF012 (never mutated: init_model assigns its own)
 
     def __init__(self, config: WorkerConfig, role: str, rank: int, world_size: int) -> None:
         redirect_worker_output(f"{role}{rank}")
@@ -106,10 +117,13 @@ class FSDPWorker:
             )
         if not trainable:
             model.requires_grad_(False)
-        return apply_fsdp2(model, self.mesh, fsdp_cfg.mp_param_dtype, fsdp_cfg.mp_reduce_dtype)
+        return apply_fsdp2(model, self.mesh, fsdp_cfg.mp_param_dtype, fsdp_cfg.mp_reduce_dtype,
+                           full_shard=fsdp_cfg.enable_full_shard)  # fmt: skip
 
-    def init_model(self) -> None:
-        """Load the HF model(s), shard with FSDP2, build optimizer + LR scheduler for the actor."""
+    def init_model(self) -> list[str]:
+        """Load the HF model(s), shard with FSDP2, build optimizer + LR scheduler for the actor;
+        then offload what `offload` asks for (`Offloader`). Returns the notices for the driver to
+        print once (rank 0 only: offload keys set on a CPU worker, which have no effect)."""
         from transformers import AutoTokenizer
 
         model_cfg = self.config.actor.model
@@ -133,6 +147,43 @@ class FSDPWorker:
             self.ref = DataParallelPPOActor(
                 self._ref_actor_config(), self._load_sharded(trainable=False)
             )
+        return self._init_offload()
+
+    def _init_offload(self) -> list[str]:
+        """An `Offloader` per model held, everything offloaded until its first stage (the vLLM
+        engines built next find the memory free); on CPU one notice line instead (rank 0)."""
+        held = {"actor": (self.actor, self.config.actor.offload, "worker.actor.offload"),
+                "ref": (self.ref, self.config.ref.offload, "worker.ref.offload")}  # fmt: skip
+        self._offloaders, flags = {}, {}
+        for part, (model, cfg, key) in held.items():
+            if model is None:
+                continue
+            flags |= {f"{key}.offload_params": cfg.offload_params,
+                      f"{key}.offload_optimizer": cfg.offload_optimizer and part == "actor"}  # fmt: skip
+            offloader = Offloader(model.actor_module, model.actor_optimizer, cfg.offload_params,
+                                  cfg.offload_optimizer, device_type())  # fmt: skip
+            if offloader.active:
+                self._offloaders[part] = offloader
+                offloader.offload()
+        release_cuda_cache()
+        notice = offload_notice(flags, device_type())
+        return [notice] if notice is not None and self.rank == 0 else []
+
+    @contextmanager
+    def _resident(self, *parts: str) -> Iterator[None]:
+        """A stage: the offloaded parameters/optimizer state of `parts` ('actor', 'ref') on the
+        device inside the block; after it every FSDP group resharded and the offloaded parts back
+        in host memory (nothing moves where nothing is offloaded, e.g. on CPU)."""
+        for part in parts:
+            if part in self._offloaders:
+                self._offloaders[part].load()
+        yield  # (an error leaves everything resident, as the offloaders record)
+        for part in parts:
+            module = getattr(getattr(self, part, None), "actor_module", None)
+            if module is not None:
+                reshard_all(module)
+            if part in self._offloaders:
+                self._offloaders[part].offload()
 
     def _ref_actor_config(self):
         """The actor config with the reference's micro-batching; no Σπ² for the reference."""
@@ -167,20 +218,26 @@ class FSDPWorker:
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """`old_log_probs` (+ `entropy` when meta_info['calculate_entropy'], `sum_pi_squared` when configured)."""
         entropy = data.meta_info.get("calculate_entropy", False)
-        out = self._require("actor").compute_log_prob(self._to_device(data), entropy).to("cpu")
+        actor = self._require("actor")
+        with self._resident("actor"):
+            out = actor.compute_log_prob(self._to_device(data), entropy).to("cpu")
         release_cuda_cache()
         return out
 
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """`ref_log_probs` (B, T) under the frozen initial policy."""
-        out = self._require("ref").compute_log_prob(self._to_device(data))
+        ref = self._require("ref")
+        with self._resident("ref"):
+            out = ref.compute_log_prob(self._to_device(data))
         out = DataProto.from_dict({"ref_log_probs": out.batch["old_log_probs"].cpu()})
         release_cuda_cache()
         return out
 
     def update_actor(self, data: DataProto) -> dict[str, list[float]]:
         """One training step of the policy on this rank's share of the batch; returns metrics."""
-        metrics = self._require("actor").update_policy(self._to_device(data))
+        actor = self._require("actor")
+        with self._resident("actor"):
+            metrics = actor.update_policy(self._to_device(data))
         release_cuda_cache()
         return metrics
 
@@ -188,24 +245,28 @@ class FSDPWorker:
     def save_checkpoint(self, path: str, export_hf_weights: bool = True) -> str:
         """Atomic sharded checkpoint (+ HF export) of the actor at `path`."""
         self._require("actor")
-        return FSDPCheckpointManager(
-            self.module, self.optimizer, self.lr_scheduler, self.tokenizer
-        ).save(path, export_hf_weights)
+        with self._resident("actor"):
+            return FSDPCheckpointManager(
+                self.module, self.optimizer, self.lr_scheduler, self.tokenizer
+            ).save(path, export_hf_weights)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore model, optimizer, LR scheduler and RNG states from `path`."""
         self._require("actor")
-        FSDPCheckpointManager(self.module, self.optimizer, self.lr_scheduler, self.tokenizer).load(
-            path
-        )
+        with self._resident("actor"):
+            FSDPCheckpointManager(
+                self.module, self.optimizer, self.lr_scheduler, self.tokenizer
+            ).load(path)
 
     def export_hf(self, path: str) -> None:
         """Write the current weights in Hugging Face format (rank 0 writes)."""
-        export_hf(self.module, path, self.tokenizer)
+        with self._resident("actor"):
+            export_hf(self.module, path, self.tokenizer)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The unsharded weights (returned by rank 0, None elsewhere); a collective call."""
-        state = full_state_dict(self.module)
+        with self._resident("actor"):
+            state = full_state_dict(self.module)
         return state if self.rank == 0 else None
 
     def weight_bucket_plan(self, bucket_mb: float) -> list[list[str]]:

@@ -119,6 +119,39 @@ def test_both_engines_turn_async_scheduling_off_and_carry_their_memory_key(tiny)
     assert k == 128
 
 
+@pytest.mark.parametrize("chunked", [True, False])
+def test_both_engines_get_the_configured_chunked_prefill(tiny, chunked):
+    from verl.workers.rollout.vllm_rollout_spmd import engine_args
+
+    config = _config(guidance=tiny["g128"])
+    assert config.enable_chunked_prefill is True  # vLLM 0.32's own default for these models
+    config.enable_chunked_prefill = chunked
+    draft, teacher, _ = engine_args(tiny["d128"], config)
+    assert (
+        draft["enable_chunked_prefill"] is chunked and teacher["enable_chunked_prefill"] is chunked
+    )
+
+
+@pytest.mark.parametrize("disable_tqdm", [True, False])
+def test_whole_response_generation_shows_vllms_bar_unless_disabled(disable_tqdm):
+    """`disable_tqdm` reaches the draft engine's generate call (a recording stand-in engine)."""
+    from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout, _Engines
+
+    calls = []
+
+    class Recorder:
+        def generate(self, prompts, params, use_tqdm):
+            calls.append(use_tqdm)
+            return []
+
+    rollout = VLLMRollout.__new__(VLLMRollout)
+    rollout.config = RolloutConfig(disable_tqdm=disable_tqdm)
+    rollout.engines = _Engines(Recorder(), None)
+    rollout._temperature, rollout._ignore_eos, rollout.eos_token_id = 1.0, False, 2
+    assert rollout._draft_only([], []) == []
+    assert calls == [not disable_tqdm]
+
+
 def test_the_engine_with_more_embedding_rows_is_restricted_to_the_common_ones(tiny):
     """The README's pair in small: a 128-row draft with a 160-row guidance (the same tokenizer):
     the guidance gives ids 128..159 probability 0 and lists at most 128; reversed, the draft."""
