@@ -2,6 +2,13 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# `make demo ARGS="trainer.max_steps=5 ..."`: key=value overrides for the demo's config. A bare
+# key=value on make's command line is a make variable, never passed on: `demo` refuses a dotted one.
+ARGS ?=
+DOTTED_VARS := $(strip $(foreach v,$(.VARIABLES),$(if $(findstring command line,$(origin $(v))),$(if $(findstring .,$(v)),$(v)))))
+ifneq ($(and $(filter demo,$(MAKECMDGOALS)),$(DOTTED_VARS)),)
+$(error make demo $(firstword $(DOTTED_VARS))=$($(firstword $(DOTTED_VARS))): make takes key=value as a make variable and drops it; valid: make demo ARGS="$(foreach v,$(DOTTED_VARS),$(v)=$($(v)))")
+endif
 
 .PHONY: env demo test test-unit test-vllm test-e2e gpu-check lint format bench evidence clean
 
@@ -9,7 +16,7 @@ env:
 	@bash scripts/setup_env.sh
 
 demo: env
-	@$(PY) -m verl.trainer.demo
+	@$(PY) -m verl.trainer.demo $(ARGS)
 
 test: env
 	$(PY) -m ruff check .

@@ -62,7 +62,7 @@ CELLS = (
     Cell("grpo", "plain GRPO (guidance off)", (f"{G}enable=false",)),
     Cell("spec_exact", "speculative, exact μ, λ 0.5→0", SPEC),
     Cell("spec_provenance", "speculative, provenance μ, λ 0.5→0", (*SPEC, f"{G}behavior=provenance")),
-    Cell("spec_luffy", "speculative, exact μ, LUFFY shaping", (*SPEC, "worker.actor.luffy_shaping=true")),
+    Cell("spec_luffy", "speculative, exact μ, LUFFY shaping", (*SPEC, "worker.actor.policy_loss.luffy_shaping=true")),
     Cell("mix", "mix mode (1 of 8 responses from the guidance)", MIX),
     Cell("distill", "pure distillation (no reward, λ = 0)",
          (f"{G}enable=true", f"{G}lam=0.0", f"{G}lam_schedule=constant",

@@ -68,10 +68,11 @@ def ours_args(steps: int, seed: int, run_dir: Path) -> list[str]:
 def trl_config(cfg: PPOConfig, steps: int, seed: int, output_dir: str) -> dict:
     """GRPOConfig kwargs equal to our config's settings; ValueError where no TRL knob matches."""
     data, actor, rollout, algo = cfg.data, cfg.worker.actor, cfg.worker.rollout, cfg.algorithm
+    loss = actor.policy_loss
     generation = data.rollout_batch_size * rollout.n
     checks = {"algorithm.adv_estimator must be grpo": algo.adv_estimator == "grpo",
-              "worker.actor.loss_type must be ppo": actor.loss_type == "ppo",
-              "worker.actor.loss_agg_mode must be token-mean": actor.loss_agg_mode == "token-mean",
+              "worker.actor.policy_loss.loss_type must be ppo": loss.loss_type == "ppo",
+              "worker.actor.policy_loss.loss_agg_mode must be token-mean": loss.loss_agg_mode == "token-mean",
               "the KL must be off (algorithm.disable_kl)": not cfg.uses_reference and not actor.use_kl_loss,
               "guidance must be off": not rollout.offpolicy_guidance.enable,
               "no chat template (data.apply_chat_template=false)": not data.apply_chat_template,
@@ -89,8 +90,8 @@ def trl_config(cfg: PPOConfig, steps: int, seed: int, output_dir: str) -> dict:
         steps_per_generation=updates, num_iterations=actor.ppo_epochs, shuffle_dataset=data.shuffle,
         max_completion_length=data.max_response_length, temperature=rollout.temperature,
         top_p=rollout.top_p, top_k=max(rollout.top_k, 0), use_vllm=False,
-        loss_type="bnpo", beta=0.0, epsilon=actor.clip_ratio_low, epsilon_high=actor.clip_ratio_high,
-        delta=actor.clip_ratio_dual, scale_rewards="group" if algo.norm_adv_by_std_in_grpo else "none",
+        loss_type="bnpo", beta=0.0, epsilon=loss.clip_ratio_low, epsilon_high=loss.clip_ratio_high,
+        delta=loss.clip_ratio_dual, scale_rewards="group" if algo.norm_adv_by_std_in_grpo else "none",
         mask_truncated_completions=False, learning_rate=actor.optim.lr, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=actor.optim.weight_decay, adam_beta1=actor.optim.betas[0],
         adam_beta2=actor.optim.betas[1], optim="adamw_torch", max_grad_norm=actor.max_grad_norm,
@@ -106,9 +107,9 @@ MAPPING = (  # (our config keys, the GRPOConfig keys set from them)
     (("worker.rollout.n",), "num_generations"),
     (("worker.actor.global_batch_size",), "per_device_train_batch_size, gradient_accumulation_steps=1"),
     (("worker.actor.ppo_epochs",), "num_iterations"),
-    (("worker.actor.loss_agg_mode",), "loss_type=bnpo (token mean over the optimizer step's batch)"),
-    (("worker.actor.clip_ratio_low", "worker.actor.clip_ratio_high"), "epsilon, epsilon_high"),
-    (("worker.actor.clip_ratio_dual",), "delta (two-sided clip: the same loss and gradient as the dual clip)"),
+    (("worker.actor.policy_loss.loss_agg_mode",), "loss_type=bnpo (token mean over the optimizer step's batch)"),
+    (("worker.actor.policy_loss.clip_ratio_low", "worker.actor.policy_loss.clip_ratio_high"), "epsilon, epsilon_high"),
+    (("worker.actor.policy_loss.clip_ratio_dual",), "delta (two-sided clip: the same loss and gradient as the dual clip)"),
     (("algorithm.disable_kl",), "beta=0"),
     (("algorithm.norm_adv_by_std_in_grpo",), "scale_rewards=group"),
     (("worker.rollout.temperature", "worker.rollout.top_p", "worker.rollout.top_k"), "temperature, top_p, top_k=0 (off)"),

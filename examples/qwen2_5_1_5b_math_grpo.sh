@@ -2,7 +2,8 @@
 # Plain GRPO, guidance off: the baseline for the guided launchers (Qwen2.5-1.5B-Instruct, math12k).
 # Hardware: one node, 8 x 80 GB GPUs (GUIDANCE_PATH is unused).
 # Environment: MODEL_PATH, GUIDANCE_PATH, TRAIN_FILES, VAL_FILES, N_GPUS (per node), NNODES,
-# PYTHON. Extra arguments are key=value overrides (or --dry-run: print the final config only).
+# PYTHON. Extra arguments are key=value overrides (or --dry-run: check the config, models, data
+# and reward without loading them, and print the final config).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 ${PYTHON:-python3} -m verl.trainer.main \

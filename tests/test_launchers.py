@@ -1,5 +1,6 @@
-"""Every bash launcher in examples/ builds a valid final config (`--dry-run`: no models, data or
-Ray are touched), with the capability its name promises and the environment's overrides."""
+"""Every bash launcher in examples/ builds a valid final config (`--dry-run`: models, data and
+reward are checked, nothing is loaded, Ray does not start), with the capability its name promises
+and the environment's overrides; the launchers check their GPU variables before python starts."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ EXPECTED = {  # launcher -> (dotted key, value) pairs its final config must hold
     "qwen2_5_1_5b_math_grpo.sh": [("worker.rollout.offpolicy_guidance.enable", False), ("algorithm.adv_estimator", "grpo")],
     "qwen2_5_1_5b_math_otb.sh": [("algorithm.adv_estimator", "optimal_token_baseline")],
     "qwen2_5_1_5b_math_opsm.sh": [("algorithm.opsm_delta", 0.1), ("worker.rollout.offpolicy_guidance.enable", True)],
-    "qwen2_5_1_5b_math_cppo.sh": [("worker.actor.loss_type", "cppo")],
+    "qwen2_5_1_5b_math_cppo.sh": [("worker.actor.policy_loss.loss_type", "cppo")],
     "qwen2_5_1_5b_math_guided_multinode.sh": [("trainer.nnodes", 2), ("worker.rollout.offpolicy_guidance.enable", True)],
     "qwen2_5_1_5b_math_mentor.sh": [("worker.rollout.offpolicy_guidance.lam_gate", "entropy"),
                                     ("worker.rollout.offpolicy_guidance.guided_samples", 4), ("worker.rollout.n", 12),
@@ -42,16 +43,18 @@ def test_every_recipe_has_a_launcher():
 @pytest.mark.parametrize("launcher", LAUNCHERS, ids=lambda p: p.name)
 def test_launcher_dry_run_validates_its_config(launcher):
     gpu = launcher.name != "cpu_demo.sh"
-    env = {"MODEL_PATH": "/models/draft", "N_GPUS": "4"} if gpu else {}
+    # a hub id not cached here passes the dry run as one the run downloads (not with HF_HUB_OFFLINE)
+    env = {"MODEL_PATH": "Org/draft", "N_GPUS": "4", "HF_HUB_OFFLINE": "0"} if gpu else {}
     proc = dry_run(launcher, "trainer.max_steps=3", **env)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1].startswith("# dry run: config valid; checked ")
     config = OmegaConf.create(proc.stdout)
     for key, value in EXPECTED[launcher.name]:
         assert OmegaConf.select(config, key) == value, (launcher.name, key)
     assert config.trainer.max_steps == 3  # extra arguments reach the trainer
     if gpu:  # the environment's overrides reach it too
         assert (
-            config.worker.actor.model.model_path == "/models/draft"
+            config.worker.actor.model.model_path == "Org/draft"
             and config.trainer.n_gpus_per_node == 4
         )
 
@@ -67,11 +70,13 @@ def test_mentor_launcher_exact_switches_on_the_importance_weights():
 
 
 def test_a_bad_override_fails_in_one_line():
-    proc = dry_run(ROOT / "examples" / "qwen2_5_1_5b_math_guided.sh", "worker.actor.loss_type=nope")
+    proc = dry_run(
+        ROOT / "examples" / "qwen2_5_1_5b_math_guided.sh", "worker.actor.policy_loss.loss_type=nope"
+    )
     assert proc.returncode == 2
     assert (
         proc.stderr.strip().splitlines() == [proc.stderr.strip()]
-        and "worker.actor.loss_type" in proc.stderr
+        and "worker.actor.policy_loss.loss_type" in proc.stderr
     )
 
 
@@ -102,6 +107,11 @@ def test_readme_gpu_quickstart_takes_hub_ids(tmp_path, monkeypatch):
     command = " ".join(f"{k}={v}" for k, v in env.items())
     assert command in " ".join(readme.replace("\\\n", " ").split())  # still the README's command
     hub = tmp_path / "hub"
+    (tmp_path / "math12k").mkdir()  # the dry run checks that the data resolves (rows are not read)
+    (tmp_path / "math12k" / "train.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
+    add_to_hub_cache(
+        str(tmp_path / "math12k"), "hiyouga/math12k", cache_dir=str(hub), repo_type="dataset"
+    )
     for name, spec in (("MODEL_PATH", TinyLMSpec(hidden_size=64, num_hidden_layers=1)),
                        ("GUIDANCE_PATH", TinyLMSpec(num_hidden_layers=1, seed=2))):  # fmt: skip
         add_to_hub_cache(save_tiny_lm(str(tmp_path / name), spec), env[name], cache_dir=str(hub))
@@ -129,3 +139,34 @@ def test_readme_gpu_quickstart_takes_hub_ids(tmp_path, monkeypatch):
     assert proc.stderr.startswith(
         "error: worker.actor.model.model_path: 'Qwen/Qwen2.5-1.5B-Instruct' is not a local folder"
     )
+
+
+GUIDANCE_GPU_LAUNCHERS = ["qwen2_5_1_5b_math_guided.sh", "qwen2_5_1_5b_math_guided_multinode.sh",
+                          "qwen2_5_1_5b_math_mentor.sh"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", GUIDANCE_GPU_LAUNCHERS)
+@pytest.mark.parametrize(
+    ("env", "start"),
+    [({"N_GPUS": "8", "GUIDANCE_GPUS": "8"}, "error: GUIDANCE_GPUS=8 is not valid with N_GPUS=8; expected 0 "),
+     ({"GUIDANCE_GPUS": "two"}, "error: GUIDANCE_GPUS=two is not valid with N_GPUS=8"),
+     ({"N_GPUS": "abc"}, "error: N_GPUS=abc is not valid; expected a whole number >= 1"),
+     ({"NNODES": "0"}, "error: NNODES=0 is not valid; expected a whole number >= 1")],
+)  # fmt: skip
+def test_a_bad_gpu_variable_fails_in_bash_naming_it(name, env, start):
+    """scripts/launcher_gpus.sh: checked before python starts (nothing on stdout), exit 2."""
+    proc = dry_run(ROOT / "examples" / name, **env)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith(start), proc.stderr
+
+
+def test_an_uneven_split_names_the_launcher_variables():
+    """GUIDANCE_GPUS=2 with the default batch: 1024 responses over 6 ranks; the one line names the
+    data key and the launcher variables that made trainer.n_gpus_per_node 6."""
+    proc = dry_run(ROOT / "examples" / "qwen2_5_1_5b_math_guided.sh", GUIDANCE_GPUS="2")
+    assert proc.returncode == 2
+    err = proc.stderr.strip()
+    assert err.splitlines() == [err]
+    assert err.startswith("error: data.rollout_batch_size=128 is not valid; ")
+    assert "launcher: trainer.n_gpus_per_node = N_GPUS - GUIDANCE_GPUS = 8 - 2" in err

@@ -55,7 +55,7 @@ def test_trl_config_follows_our_batch_settings():
     "override, reason",
     [
         ("worker.rollout.offpolicy_guidance.enable=true", "guidance must be off"),
-        ("worker.actor.loss_agg_mode=seq-mean-token-mean", "token-mean"),
+        ("worker.actor.policy_loss.loss_agg_mode=seq-mean-token-mean", "token-mean"),
         ("worker.actor.optim.lr_warmup_steps=5", "constant learning rate"),
         (
             "worker.actor.optim.lr_warmup_steps=null worker.actor.optim.lr_warmup_ratio=0.1",
@@ -72,7 +72,7 @@ def test_trl_config_refuses_what_it_cannot_map(override, reason):
 def test_mapping_shows_our_values():
     rows = {keys: value for keys, value, _ in T.mapping(ours())}
     assert rows["data.rollout_batch_size, worker.rollout.n"] == "64, 8"
-    assert rows["worker.actor.clip_ratio_dual"] == "3.0"
+    assert rows["worker.actor.policy_loss.clip_ratio_dual"] == "3.0"
     assert rows["algorithm.tis_level"] == "none"  # no rollout correction without guidance
 
 
@@ -120,7 +120,7 @@ def test_report_by_hand():
     assert "train_runtime / N: 5.10 s" in md
     assert "| 0.20 0.25 0.30 | 0.21 0.24 0.31 |" in md
     assert md.count("- differs: ") == len(T.differences(cfg)) > 5
-    assert "`worker.actor.clip_ratio_dual` = 3.0 | delta" in md
+    assert "`worker.actor.policy_loss.clip_ratio_dual` = 3.0 | delta" in md
 
 
 def test_trl_env_is_reused_when_its_stamp_lists_the_pins(tmp_path, monkeypatch):

@@ -36,8 +36,9 @@ data:
 worker:
   actor:
     global_batch_size: 32
-    loss_agg_mode: seq-mean-token-mean
-    clip_ratio_high: 0.3
+    policy_loss:
+      loss_agg_mode: seq-mean-token-mean
+      clip_ratio_high: 0.3
     model:
       model_path: /models/qwen2.5-0.5b
     optim:
@@ -104,10 +105,10 @@ def test_derived_keys_follow_the_algorithm_and_data_sections():
     assert config.worker.rollout.response_length == 300
     assert actor.kl_penalty == "low_var_kl"
     assert actor.kl_coef == 0.05
-    assert actor.importance_clamp_min == 0.1
-    assert actor.importance_clamp_max == 5.0
-    assert actor.importance_detach is False
-    assert actor.opsm_delta == 0.2
+    assert actor.policy_loss.importance_clamp_min == 0.1
+    assert actor.policy_loss.importance_clamp_max == 5.0
+    assert actor.policy_loss.importance_detach is False
+    assert actor.policy_loss.opsm_delta == 0.2
     assert config.trainer.save_checkpoint_path == os.path.join("checkpoints", "p", "e")
 
 
@@ -169,12 +170,12 @@ def test_guidance_disabled_is_vanilla_grpo():
     assert config.worker.rollout.offpolicy_guidance.enable is False
     assert config.algorithm.tis_level == "none"
     assert config.uses_importance_weights is False
-    assert config.worker.actor.loss_type == "ppo"
+    assert config.worker.actor.policy_loss.loss_type == "ppo"
     assert config.algorithm.adv_estimator == "grpo"
     assert config.algorithm.mis_level == "none"
     assert config.algorithm.geometric_mask is False
     assert config.algorithm.opsm_delta is None
-    assert config.worker.actor.luffy_shaping is False
+    assert config.worker.actor.policy_loss.luffy_shaping is False
 
 
 # ---------------------------------------------------------------------------------- merge order
@@ -184,7 +185,7 @@ def test_example_yaml_loads(example_yaml):
     config = load_config([f"config={example_yaml}"])
     assert config.data.train_files == "data/math@train"
     assert config.data.prompt_key == "problem"
-    assert config.worker.actor.loss_agg_mode == "seq-mean-token-mean"
+    assert config.worker.actor.policy_loss.loss_agg_mode == "seq-mean-token-mean"
     assert config.worker.actor.model.model_path == "/models/qwen2.5-0.5b"
     assert config.worker.actor.optim.lr == 2.0e-6
     assert config.worker.rollout.n == 8
@@ -198,7 +199,7 @@ def test_example_yaml_loads(example_yaml):
         "checkpoints", "my_project", "yaml_run"
     )
     # keys the YAML does not mention keep their defaults
-    assert config.worker.actor.clip_ratio_low == 0.2
+    assert config.worker.actor.policy_loss.clip_ratio_low == 0.2
     assert config.worker.rollout.top_p == 1.0
 
 
@@ -256,11 +257,16 @@ def test_empty_cli_value_is_none_for_optional_keys_and_refused_for_other_str_key
         load_config(["data.val_file="])
 
 
-def test_cli_with_empty_val_files_runs_without_validation_set(example_yaml, capsys):
+def test_cli_with_empty_val_files_runs_without_validation_set(example_yaml, capsys, tmp_path, monkeypatch):  # fmt: skip
     from verl.trainer.main import main
 
+    # the dry run checks the model folder; the uncached data/math@train passes (the run downloads it)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    model = f"worker.actor.model.model_path={tmp_path / 'model'}"
     # the argument list exactly as the shell hands it over: `... data.val_files=` (empty value)
-    assert main(["--dry-run", f"config={example_yaml}", "data.val_files="]) == 0
+    assert main(["--dry-run", f"config={example_yaml}", "data.val_files=", model]) == 0
     out = capsys.readouterr().out
     assert "  val_files: ''\n" in out and "  train_files: data/math@train\n" in out
 
@@ -385,8 +391,8 @@ def _choices(valid) -> str:
 
 CHOICE_CASES = [
     ("algorithm.adv_estimator", ADV_ESTIMATORS.names()),
-    ("worker.actor.loss_type", POLICY_LOSSES.names()),
-    ("worker.actor.loss_agg_mode", LOSS_AGG_MODES.names()),
+    ("worker.actor.policy_loss.loss_type", POLICY_LOSSES.names()),
+    ("worker.actor.policy_loss.loss_agg_mode", LOSS_AGG_MODES.names()),
     ("algorithm.kl_penalty", KL_ESTIMATORS.names()),
     ("algorithm.tis_level", ["auto", "none", *RATIO_LEVELS.names()]),
     ("algorithm.mis_level", ["none", *RATIO_LEVELS.names()]),
@@ -416,13 +422,13 @@ def test_valid_choices_follow_the_registry(monkeypatch):
     monkeypatch.setattr(POLICY_LOSSES, "_table", dict(POLICY_LOSSES._table))
     monkeypatch.setattr(POLICY_LOSSES, "_aliases", dict(POLICY_LOSSES._aliases))
     with pytest.raises(ConfigError, match="my_test_loss"):
-        load_config(["worker.actor.loss_type=my_test_loss"])
+        load_config(["worker.actor.policy_loss.loss_type=my_test_loss"])
     POLICY_LOSSES.register("my_test_loss")(lambda *args, **kwargs: None)
-    assert load_config(["worker.actor.loss_type=my_test_loss"]).worker.actor.loss_type == (
-        "my_test_loss"
-    )
+    assert load_config(
+        ["worker.actor.policy_loss.loss_type=my_test_loss"]
+    ).worker.actor.policy_loss.loss_type == ("my_test_loss")
     with pytest.raises(ConfigError) as err:
-        load_config(["worker.actor.loss_type=nope"])
+        load_config(["worker.actor.policy_loss.loss_type=nope"])
     assert "my_test_loss" in str(err.value)
 
 
@@ -614,26 +620,34 @@ def _non_default(value):
     raise AssertionError(f"no non-default value for {value!r}")
 
 
-def test_policy_loss_config_carries_every_field():
-    loss_fields = dataclasses.fields(PolicyLossConfig)
+def test_policy_loss_is_one_nested_block_read_by_the_actor():
+    """The loss settings are declared once (PolicyLossConfig) and nested as worker.actor.policy_loss:
+    no PolicyLossConfig field is repeated on ActorConfig."""
+    loss_names = {f.name for f in dataclasses.fields(PolicyLossConfig)}
     actor_names = {f.name for f in dataclasses.fields(ActorConfig)}
-    missing = [f.name for f in loss_fields if f.name not in actor_names]
-    assert not missing, f"ActorConfig lacks PolicyLossConfig fields {missing}"
-    values = {f.name: _non_default(f.default) for f in loss_fields}
-    actor = ActorConfig(**values)
-    loss_config = actor.policy_loss_config()
-    assert isinstance(loss_config, PolicyLossConfig)
-    for f in loss_fields:
-        got = getattr(loss_config, f.name)
-        assert got == getattr(actor, f.name), f.name
-        assert got != f.default, f"{f.name} kept the PolicyLossConfig default"
+    assert not loss_names & actor_names
+    config = load_config(
+        ["worker.actor.policy_loss.clip_ratio_high=0.4", "algorithm.importance_clamp_max=3.0"]
+    )
+    loss = config.worker.actor.policy_loss
+    assert isinstance(loss, PolicyLossConfig)
+    assert loss.clip_ratio_high == 0.4 and loss.importance_clamp_max == 3.0
 
 
-def test_policy_loss_config_from_loaded_config():
-    config = load_config(["worker.actor.clip_ratio_high=0.4", "algorithm.importance_clamp_max=3.0"])
-    loss_config = config.worker.actor.policy_loss_config()
-    assert loss_config.clip_ratio_high == 0.4
-    assert loss_config.importance_clamp_max == 3.0
+@pytest.mark.parametrize(
+    ("key", "hint"),
+    [
+        ("worker.actor.clip_ratio_low=0.1", "worker.actor.policy_loss.clip_ratio_low"),
+        ("worker.actor.loss_type=cppo", "worker.actor.policy_loss.loss_type"),
+        ("worker.actor.importance_clamp_max=5", "algorithm.importance_clamp_max"),
+        ("worker.actor.opsm_delta=0.7", "algorithm.opsm_delta"),
+    ],
+)
+def test_flat_loss_keys_of_easyr1_habit_say_where_they_live(key, hint):
+    with pytest.raises(ConfigError) as error:
+        load_config([key])
+    message = str(error.value)
+    assert "\n" not in message and key.split("=")[0] in message and hint in message
 
 
 # ---------------------------------------------------------------------------------- to_dict
@@ -741,3 +755,73 @@ def test_more_draft_replicas_than_gpus_are_refused_in_one_line():
     )
     cpu = ["trainer.device=cpu", "trainer.n_gpus_per_node=2", "worker.rollout.num_replicas=5"]
     assert load_config(cpu).worker.rollout.num_replicas == 5
+
+
+# ---------------------------------------------------------------------------------- derived keys
+
+
+def _nested(key: str, value) -> dict:
+    out: dict = {}
+    node = out
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return out
+
+
+DERIVED = [(key, source, value) for key, source, value in PPOConfig().derived_keys()]
+
+
+@pytest.mark.parametrize(("key", "source", "value"), DERIVED, ids=[d[0] for d in DERIVED])
+def test_every_derived_key_set_by_hand_is_used_when_it_agrees_and_refused_when_not(
+    key, source, value
+):
+    """Each derived key copies one owner key: a hand-set value equal to the owner's runs as set;
+    a different one is refused in one line that names both keys (never silently replaced)."""
+    same = load_config([], overrides=_nested(key, value))
+    parent, _, leaf = key.rpartition(".")
+    assert getattr(dataclasses_get(same, parent), leaf) == value
+    other = _non_default(value)
+    with pytest.raises(ConfigError) as error:
+        load_config([], overrides=_nested(key, other))
+    message = str(error.value)
+    assert "\n" not in message and key in message and source.split(" ")[0] in message
+
+
+def dataclasses_get(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("algorithm.tis_level", "sequence"),
+        ("worker.rollout.num_replicas", 1),
+        ("worker.rollout.offpolicy_guidance.num_replicas", 1),
+        ("worker.reward.reward_function", "math"),
+        ("trainer.save_checkpoint_path", "/tmp/somewhere"),
+        ("worker.actor.optim.training_steps", 17),
+    ],
+)
+def test_auto_keys_set_by_hand_keep_the_users_value(key, value):
+    """Keys whose default is 'auto' (filled by post_init or the trainer) keep a value the user set."""
+    config = load_config([], overrides=_nested(key, value))
+    parent, _, leaf = key.rpartition(".")
+    assert getattr(dataclasses_get(config, parent), leaf) == value
+
+
+def test_derived_keys_cover_every_auto_field_docstring():
+    """Every field documented 'auto: <owner>' is in derived_keys (filled and checked there)."""
+    import verl.tools.docs as docs
+    from verl.trainer.config import AlgorithmConfig, DataConfig, TrainerConfig
+    from verl.workers.rollout.config import OffPolicyGuidanceConfig, RolloutConfig
+
+    blocks = {"worker.actor": ActorConfig, "worker.actor.policy_loss": PolicyLossConfig,
+              "worker.rollout": RolloutConfig, "worker.rollout.offpolicy_guidance": OffPolicyGuidanceConfig,
+              "algorithm": AlgorithmConfig, "data": DataConfig, "trainer": TrainerConfig}  # fmt: skip
+    auto = {f"{prefix}.{name}" for prefix, cls in blocks.items()
+            for name, doc in docs.field_docs(cls).items() if doc.startswith("auto: ")}  # fmt: skip
+    assert auto and auto <= {key for key, _, _ in DERIVED}

@@ -121,7 +121,8 @@ GUIDED_KEYS = ["guidance/offpolicy_token_ratio", "guidance/is_weight_mean", "gui
     ("name", "extra", "keys"),
     [
         ("guidance_off", {"worker": {"rollout": {"offpolicy_guidance": {"enable": False}}},
-                          "data": {"val_files": "embedded://arithmetic@test"}}, []),
+                          "data": {"val_files": "embedded://arithmetic@test"},
+                          "trainer": {"val_generations_to_log": 3}}, []),
         ("speculative", {}, [*GUIDED_KEYS, "guidance/accept_rate", "guidance/topk_tail_mass",
                           "guidance/guided_is_weight_mean", "guidance/guided_seq_score"]),
         ("mix", {"worker": {"rollout": {"offpolicy_guidance": {"mode": "mix", "mix_num_samples": 1}}}},
@@ -172,6 +173,14 @@ def test_two_step_run_trains_and_logs_finite_metrics(
         assert "val/reward_score" in rows[0] and rows[0]["step"] == 0
         assert "val/reward_score" in rows[-1] and rows[-1]["step"] == 2
         assert not any(k.startswith("guidance/") for r in steps for k in r)
+        with open(os.path.join(run_dir, "val_generations.jsonl")) as f:  # the same 3 each time
+            samples = [json.loads(line) for line in f]
+        assert [s["step"] for s in samples] == [0, 0, 0, 2, 2, 2]
+        prompts = [(s["prompt"], s["ground_truth"]) for s in samples]
+        assert prompts[:3] == prompts[3:] and len(set(prompts)) == 3
+        for s in samples:  # the reward's score of the response shown (digit_share)
+            share = sum(c.isdigit() for c in s["response"]) / max(len(s["response"]), 1)
+            assert s["score"] == pytest.approx(share)
     if name == "distill_pure":  # λ = 0: the guidance only scores, every token is the draft's
         assert all(
             r["guidance/offpolicy_token_ratio"] == 0 and r["distill/missing_frac"] == 0
@@ -214,7 +223,7 @@ def test_resume_continues_with_the_same_data_and_metrics(assets, ray_session, tm
     ("args", "message"),
     [
         (["algorithm.adv_estimator=nope"], "algorithm.adv_estimator"),
-        (["worker.actor.loss_type=nope"], "worker.actor.loss_type"),
+        (["worker.actor.policy_loss.loss_type=nope"], "worker.actor.policy_loss.loss_type"),
         (["worker.rollout.offpolicy_guidance.enable=true"], "offpolicy_guidance.model_path"),
         (["algorithm.adv_estimator=optimal_token_baseline"], "calculate_sum_pi_squared"),
         (

@@ -32,7 +32,9 @@ def test_defaults_yaml_is_up_to_date():
 
 OVERLAYS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.name != "defaults.yaml")
 GUIDE = ["worker.rollout.offpolicy_guidance.model_path=/models/guide"]
-ALONE_NEEDS = {"distill.yaml": ["worker.rollout.offpolicy_guidance.enable=true", *GUIDE]}
+ALONE_NEEDS = {"distill.yaml": ["worker.rollout.offpolicy_guidance.enable=true", *GUIDE],
+               # 4 guided + at least 2 unguided responses per prompt (the default n is 5)
+               "mentor.yaml": [*GUIDE, "worker.rollout.n=6"], "mentor_exact.yaml": [*GUIDE, "worker.rollout.n=6"]}  # fmt: skip
 
 
 def _leaves(node, prefix=""):
@@ -75,7 +77,10 @@ def test_overlay_loads_validates_and_sets_its_keys(overlay, base):
 def test_overlays_compose_in_order_and_the_cli_wins():
     otb, cppo = ROOT / "configs" / "otb.yaml", ROOT / "configs" / "cppo.yaml"
     config = load_config([f"config={ROOT / 'examples' / 'grpo_guided.yaml'}", f"config={otb}", f"config={cppo}",
-                          "worker.actor.tv_delta=0.3"])  # fmt: skip
+                          "worker.actor.policy_loss.tv_delta=0.3"])  # fmt: skip
     assert config.algorithm.adv_estimator == "optimal_token_baseline"
-    assert config.worker.actor.loss_type == "cppo" and config.worker.actor.tv_delta == 0.3
+    assert (
+        config.worker.actor.policy_loss.loss_type == "cppo"
+        and config.worker.actor.policy_loss.tv_delta == 0.3
+    )
     assert config.worker.rollout.offpolicy_guidance.enable  # the base's keys stay

@@ -47,7 +47,11 @@ def ids(draft: str = DRAFT, guidance: str = GUIDANCE) -> list[str]:
 
 
 def test_dry_run_keeps_hub_ids_and_check_models_resolves_them(cache, capsys):
-    assert main(["--dry-run", *ids()]) == 0
+    data = [
+        "data.train_files=embedded://arithmetic@train",
+        "data.val_files=",
+    ]  # offline: no math12k
+    assert main(["--dry-run", *ids(), *data]) == 0
     assert f"model_path: {DRAFT}\n" in capsys.readouterr().out  # printed as given
     config = load_config(ids())
     check_models(config)  # folders, config.json, the same tokenizer: all pass

@@ -74,7 +74,9 @@ def test_mentor_refuses_a_group_without_two_unguided_responses(n, guided):
     with pytest.raises(ConfigError) as error:
         load_config(keys)
     message = str(error.value)
-    assert "\n" not in message and "guided_samples" in message and f"worker.rollout.n={n}" in message
+    assert (
+        "\n" not in message and "guided_samples" in message and f"worker.rollout.n={n}" in message
+    )
     assert f"1..{n - 2}" in message
 
 

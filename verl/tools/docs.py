@@ -25,23 +25,22 @@ from verl.trainer import core_algos as C
 from verl.trainer.config import AlgorithmConfig
 from verl.trainer.core_algos.advantage import GUIDED_ADVANTAGES
 from verl.trainer.core_algos.guidance import LAM_GATES
+from verl.trainer.core_algos.policy_loss import PolicyLossConfig
 from verl.utils.metric_reference import SECTIONS, in_section
 from verl.workers.actor.config import ActorConfig
 from verl.workers.rollout.config import OffPolicyGuidanceConfig
 
 GUIDE = Path(__file__).resolve().parents[2] / "README_guidance.md"
 
-ACTOR_LOSS_FIELDS = (
-    "loss_type", "loss_agg_mode", "loss_horizon", "clip_ratio_low", "clip_ratio_high",
-    "clip_ratio_dual", "tv_delta", "is_ratio_cap", "cppo_w_min", "cppo_budget",
-    "cppo_budget_quantile", "luffy_shaping", "luffy_gamma", "calculate_sum_pi_squared",
-)  # fmt: skip
-"""The actor keys that choose and tune the policy loss and its off-policy shaping."""
+LOSS_FIELDS = tuple(
+    f.name for f in dataclasses.fields(PolicyLossConfig) if f.name not in PolicyLossConfig.DERIVED
+)
+"""The keys of worker.actor.policy_loss a user sets (the others copy algorithm.*)."""
 
 REGISTRIES = (
     ("algorithm.adv_estimator", C.ADV_ESTIMATORS),
-    ("worker.actor.loss_type", C.POLICY_LOSSES),
-    ("worker.actor.loss_agg_mode", C.LOSS_AGG_MODES),
+    ("worker.actor.policy_loss.loss_type", C.POLICY_LOSSES),
+    ("worker.actor.policy_loss.loss_agg_mode", C.LOSS_AGG_MODES),
     ("algorithm.tis_level, algorithm.mis_level", C.RATIO_LEVELS),
     ("worker.rollout.offpolicy_guidance.mode", C.GUIDANCE_MODES),
     ("worker.rollout.offpolicy_guidance.behavior", C.BEHAVIORS),
@@ -153,7 +152,12 @@ BLOCKS = {
         OffPolicyGuidanceConfig, "worker.rollout.offpolicy_guidance"
     ),
     "knobs-algorithm": lambda: knob_table(AlgorithmConfig, "algorithm"),
-    "knobs-actor-loss": lambda: knob_table(ActorConfig, "worker.actor", ACTOR_LOSS_FIELDS),
+    "knobs-actor-loss": lambda: "\n".join(
+        [
+            knob_table(PolicyLossConfig, "worker.actor.policy_loss", LOSS_FIELDS),
+            *knob_rows(ActorConfig, "worker.actor", ("calculate_sum_pi_squared",)),
+        ]
+    ),
     "algorithms": algorithm_table,
     "metrics": metric_reference,
 }

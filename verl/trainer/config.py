@@ -11,8 +11,9 @@ value and the valid choices, before Ray or any engine starts.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence, Set
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -22,11 +23,13 @@ from omegaconf.nodes import StringNode
 from verl.trainer.core_algos.advantage import (
     ADV_ESTIMATORS,
     GUIDED_ADVANTAGES,
+    is_grouped,
     needs_sum_pi_squared,
 )
 from verl.trainer.core_algos.distill import DISTILL_MODES
 from verl.trainer.core_algos.kl import KL_ESTIMATORS
 from verl.trainer.core_algos.offpolicy import RATIO_LEVELS
+from verl.trainer.core_algos.policy_loss import PolicyLossConfig
 from verl.utils.config_checks import ConfigError, check_choice, check_range, fail
 from verl.utils.embedded import TASKS, embedded_task
 from verl.workers.config import WorkerConfig
@@ -157,7 +160,8 @@ class AlgorithmConfig:
         check_choice(f"{prefix}.guided_advantage", self.guided_advantage, GUIDED_ADVANTAGES.names())
         check_range(f"{prefix}.guided_advantage_decay_steps", self.guided_advantage_decay_steps, 1)
         if self.guided_advantage_cap is not None:
-            check_range(f"{prefix}.guided_advantage_cap", self.guided_advantage_cap, 0.0, low_open=True)
+            cap = self.guided_advantage_cap
+            check_range(f"{prefix}.guided_advantage_cap", cap, 0.0, low_open=True)
         check_choice(f"{prefix}.kl_penalty", self.kl_penalty, KL_ESTIMATORS.names())
         check_choice(f"{prefix}.tis_level", self.tis_level, ["auto", "none", *RATIO_LEVELS.names()])
         check_choice(f"{prefix}.mis_level", self.mis_level, ["none", *RATIO_LEVELS.names()])
@@ -206,7 +210,7 @@ class TrainerConfig:
     val_only: bool = False
     """Only validate, do not train."""
     val_generations_to_log: int = 0
-    """Validation samples printed/logged per validation."""
+    """After each validation, the first response of the first N validation prompts (the same prompts every time) with prompt, ground truth and score: wandb table val/generations, <run>/val_generations.jsonl (file logger), one line each on the console (0: none)."""
     save_freq: int = -1
     """Checkpoint every N steps (-1: only at the end)."""
     save_limit: int = -1
@@ -231,6 +235,7 @@ class TrainerConfig:
         check_choice(f"{prefix}.device", self.device, ["auto", "cuda", "cpu"])
         if self.max_steps is not None:
             check_range(f"{prefix}.max_steps", self.max_steps, 1)
+        check_range(f"{prefix}.val_generations_to_log", self.val_generations_to_log, 0)
         for name in self.logger:
             check_choice(f"{prefix}.logger", name, ["console", "file", "wandb", "tensorboard"])
 
@@ -248,25 +253,56 @@ class PPOConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Run length, logging, checkpoints."""
 
-    def post_init(self) -> PPOConfig:
-        """The one pass that fills derived keys, then validates every section. Returns self."""
-        algo, actor, rollout = self.algorithm, self.worker.actor, self.worker.rollout
+    def derived_keys(self) -> list[tuple[str, str, Any]]:
+        """(key, the key it derives from, its value): copies of one setting that workers read.
+
+        Each setting has one owner, the second key; `post_init` fills the first from it. A value
+        set on the first key by hand is refused when it differs (`_fill_derived`)."""
+        algo, distill, data = self.algorithm, self.algorithm.distill, self.data
+        topk = distill.topk_forward and distill.coef > 0
+        loss, actor = "worker.actor.policy_loss", "worker.actor"
+        g = "worker.rollout.offpolicy_guidance"
+        return [
+            ("worker.rollout.prompt_length", "data.max_prompt_length", data.max_prompt_length),
+            ("worker.rollout.response_length", "data.max_response_length", data.max_response_length),
+            (f"{actor}.use_kl_loss", "algorithm.use_kl_loss (and not algorithm.disable_kl)",
+             algo.use_kl_loss and not algo.disable_kl),
+            (f"{actor}.kl_penalty", "algorithm.kl_penalty", algo.kl_penalty),
+            (f"{actor}.kl_coef", "algorithm.kl_coef", algo.kl_coef),
+            (f"{loss}.importance_clamp_min", "algorithm.importance_clamp_min", algo.importance_clamp_min),
+            (f"{loss}.importance_clamp_max", "algorithm.importance_clamp_max", algo.importance_clamp_max),
+            (f"{loss}.importance_detach", "algorithm.importance_detach", algo.importance_detach),
+            (f"{loss}.opsm_delta", "algorithm.opsm_delta", algo.opsm_delta),
+            (f"{actor}.distill_coef", "algorithm.distill.coef (loss mode; 0 in reward mode)",
+             distill.coef if distill.mode == "loss" else 0.0),
+            (f"{actor}.distill_estimator", "algorithm.distill.estimator", distill.estimator),
+            (f"{actor}.distill_topk_forward", "algorithm.distill.topk_forward (with coef > 0)", topk),
+            (f"{g}.keep_topk", "algorithm.distill.topk_forward (with coef > 0)", topk),
+        ]  # fmt: skip
+
+    def _fill_derived(self, user_keys: Set[str]) -> None:
+        """Fill every derived key from its owner; refuse, in one line naming both keys, a value
+        the user set there that differs (set in `user_keys`, or unlike the field's default)."""
+        defaults = PPOConfig()
+        for key, source, value in self.derived_keys():
+            parent, _, leaf = key.rpartition(".")
+            holder = attrgetter(parent)(self)
+            current = getattr(holder, leaf)
+            was_set = key in user_keys or current != getattr(attrgetter(parent)(defaults), leaf)
+            if was_set and current != value:
+                fail(key, current, f"it copies {source} = {value!r}, which is where this setting is "
+                     f"made: set that instead and leave {key} out")  # fmt: skip
+            setattr(holder, leaf, value)
+
+    def post_init(self, user_keys: Set[str] = frozenset()) -> PPOConfig:
+        """The one pass that fills derived keys (never over a value the user set: a conflicting
+        one is refused), then validates every section. `user_keys`: the dotted keys the user
+        gave (YAML files, CLI). Returns self."""
+        algo, rollout = self.algorithm, self.worker.rollout
         guidance = rollout.offpolicy_guidance
-        rollout.prompt_length = self.data.max_prompt_length
-        rollout.response_length = self.data.max_response_length
+        self._fill_derived(user_keys)
         if algo.tis_level == "auto":
             algo.tis_level = "token" if guidance.enable else "none"
-        actor.use_kl_loss = algo.use_kl_loss and not algo.disable_kl
-        actor.kl_penalty, actor.kl_coef = algo.kl_penalty, algo.kl_coef
-        actor.importance_clamp_min, actor.importance_clamp_max = (
-            algo.importance_clamp_min,
-            algo.importance_clamp_max,
-        )
-        actor.importance_detach, actor.opsm_delta = algo.importance_detach, algo.opsm_delta
-        actor.distill_coef = algo.distill.coef if algo.distill.mode == "loss" else 0.0
-        actor.distill_estimator = algo.distill.estimator
-        actor.distill_topk_forward = algo.distill.topk_forward and algo.distill.coef > 0
-        guidance.keep_topk = actor.distill_topk_forward
         if rollout.num_replicas is None:  # one engine per tensor-parallel group of GPUs; 1 on CPU
             world = self.trainer.nnodes * self.trainer.n_gpus_per_node
             rollout.num_replicas = (
@@ -297,6 +333,7 @@ class PPOConfig:
             fail("data.rollout_batch_size", self.data.rollout_batch_size,
                  f"rollout_batch_size x worker.rollout.n = {responses} responses must split evenly over "
                  f"trainer.nnodes x trainer.n_gpus_per_node = {world} workers")  # fmt: skip
+        self._validate_group_size()
         self._validate_distill()
         self._validate_guided_advantage()
         self._validate_replicas(world)
@@ -312,6 +349,15 @@ class PPOConfig:
         ):
             fail("worker.actor.calculate_sum_pi_squared", False,
                  f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} needs Σπ²; set it to true")  # fmt: skip
+
+    def _validate_group_size(self) -> None:
+        """A grouped estimator's baseline pools the n responses of a prompt: one is no group."""
+        name, n = self.algorithm.adv_estimator, self.worker.rollout.n
+        if n < 2 and is_grouped(name):
+            alone = [e for e in ADV_ESTIMATORS.names() if not is_grouped(e)]
+            fail("worker.rollout.n", n,
+                 f"algorithm.adv_estimator={name!r} compares the responses of each prompt: expected "
+                 f"n >= 2 (or an estimator without groups: {', '.join(alone)})")  # fmt: skip
 
     def _validate_guided_advantage(self) -> None:
         """mentor compares each group's guided responses with its unguided ones: both must exist."""
@@ -394,6 +440,9 @@ def _explain(error: OmegaConfBaseException) -> str:
     msg = str(getattr(error, "msg", None) or error).splitlines()[0]
     if "not in" in msg or "Key '" in msg:
         parent = key.rsplit(".", 1)[0] if "." in key else ""
+        moved = _moved_loss_key(key)
+        if moved:
+            return moved
         node = OmegaConf.structured(PPOConfig)
         valid = ""
         try:
@@ -403,6 +452,18 @@ def _explain(error: OmegaConfBaseException) -> str:
             pass
         return f"unknown config key '{key}'{valid}"
     return f"{key}: {msg}"
+
+
+def _moved_loss_key(key: str) -> str | None:
+    """The one-line answer for an EasyR1/verl-style flat loss key under worker.actor (which this
+    project nests in worker.actor.policy_loss, or owns in algorithm.*), else None."""
+    parent, _, leaf = key.rpartition(".")
+    if parent != "worker.actor" or leaf not in {f.name for f in fields(PolicyLossConfig)}:
+        return None
+    if hasattr(AlgorithmConfig, leaf):  # importance clamps, detach, OPSM: the trainer reads them
+        return (f"unknown config key '{key}': this setting is made in algorithm.{leaf} "
+                "(the trainer and the loss both read it)")  # fmt: skip
+    return f"unknown config key '{key}': the loss settings are under worker.actor.policy_loss; use worker.actor.policy_loss.{leaf}"
 
 
 def _schema_node(schema: DictConfig, key: str) -> Any:
@@ -437,6 +498,27 @@ def _parse_dotlist(schema: DictConfig, dotlist: Sequence[str]) -> DictConfig:
     return parsed
 
 
+def _load_yaml(path: str) -> DictConfig:
+    """A config file as a DictConfig; ConfigError in one line for a missing file, a YAML syntax
+    error (file, line and column) or a file that is not a mapping of keys."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} not found")
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as error:
+        mark, start = getattr(error, "problem_mark", None), getattr(error, "context_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        what = getattr(error, "problem", None) or str(error).splitlines()[0]
+        if getattr(error, "context", None) and start is not None:
+            what += f" ({error.context} at line {start.line + 1})"
+        raise ConfigError(f"config file {path}{where}: YAML syntax error: {what}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file {path!r}: expected a mapping of keys (key: value), got a list")  # fmt: skip
+    return loaded
+
+
 def load_config(args: Sequence[str] = (), overrides: dict[str, Any] | None = None) -> PPOConfig:
     """Parse `config=path.yaml` and `a.b=c` arguments (and a dict of overrides) into a PPOConfig.
 
@@ -454,20 +536,37 @@ def load_config(args: Sequence[str] = (), overrides: dict[str, Any] | None = Non
             yaml_paths.append(arg.split("=", 1)[1])
         else:
             dotlist.append(arg)
+    user_keys: set[str] = set()
     try:
         merged = schema
         for yaml_path in yaml_paths:  # a base, then overlays (configs/*.yaml), in order
-            if not os.path.isfile(yaml_path):
-                raise ConfigError(f"config file {yaml_path!r} not found")
-            merged = OmegaConf.merge(merged, OmegaConf.load(yaml_path))
+            layer = _load_yaml(yaml_path)
+            user_keys |= _dotted_keys(layer)
+            merged = OmegaConf.merge(merged, layer)
         if dotlist:
-            merged = OmegaConf.merge(merged, _parse_dotlist(schema, dotlist))
+            layer = _parse_dotlist(schema, dotlist)
+            user_keys |= _dotted_keys(layer)
+            merged = OmegaConf.merge(merged, layer)
         if overrides:
-            merged = OmegaConf.merge(merged, OmegaConf.create(overrides))
+            layer = OmegaConf.create(overrides)
+            user_keys |= _dotted_keys(layer)
+            merged = OmegaConf.merge(merged, layer)
         config: PPOConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ConfigError(_explain(error)) from None
-    return config.post_init()
+    return config.post_init(user_keys)
+
+
+def _dotted_keys(node: Any, prefix: str = "") -> set[str]:
+    """Every dotted key a YAML/CLI layer sets (a dict-valued key such as sampling_overrides
+    counts as its own key as well as its members)."""
+    keys = set()
+    if isinstance(node, DictConfig):
+        for name in node.keys():
+            key = f"{prefix}{name}"
+            keys.add(key)
+            keys |= _dotted_keys(node._get_node(name), f"{key}.")
+    return keys
 
 
 def to_dict(config: PPOConfig) -> dict[str, Any]:

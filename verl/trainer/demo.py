@@ -8,7 +8,8 @@
    rows that apply (share of guidance tokens, mean importance weight and λ when guidance acted;
    the reverse KL to the guidance with distillation), and the paths of the plots.
 
-Extra `key=value` arguments override the config, e.g. `python -m verl.trainer.demo trainer.max_steps=10`.
+Extra `key=value` arguments override the config, e.g. `python -m verl.trainer.demo trainer.max_steps=10`
+(through make: `make demo ARGS="trainer.max_steps=10"`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Everything a user can get wrong is checked before Ray starts: the config (one-line errors),
 the models (hub ids resolved to local folders, `verl.utils.model_path`), the guidance
 tokenizer, the datasets and the reward function. Then Ray starts locally (or joins the cluster
-in `RAY_ADDRESS`), the trainer runs, and plots are written.
+in `RAY_ADDRESS`), the trainer runs, and plots are written. `--dry-run` runs the checks that
+load nothing and stops (`check_inputs`); `--help` prints USAGE.
 """
 
 from __future__ import annotations
@@ -11,16 +12,43 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import signal
 import sys
 import threading
 from dataclasses import dataclass
 
 from verl.trainer.config import ConfigError, PPOConfig, load_config
-from verl.utils.dataset import PromptEncoder, RLDataset
+from verl.utils.dataset import PromptEncoder, RLDataset, resolve_data
 from verl.utils.embedded import CACHE_DIR, TASKS, build_embedded, task_dir
 from verl.utils.worker_logs import WORKER_LOG_ENV
 from verl.workers.reward.config import RewardConfig
+
+USAGE = """\
+usage: python -m verl.trainer.main [config=FILE.yaml ...] [key=value ...] [--dry-run]
+
+  config=FILE.yaml  a YAML config; repeat it for overlays, merged in order
+                    (config=examples/grpo_guided.yaml config=configs/otb.yaml)
+  key=value         set one key after the files (worker.rollout.n=8; data.val_files= : empty)
+  --dry-run         check without loading or starting anything, print the final config, and
+                    end with one '# dry run:' line saying what was checked: the config; every
+                    model path (a folder with config.json or a hub id in the local cache; a hub
+                    id or name@split not cached here passes as one the run downloads, unless
+                    HF_HUB_OFFLINE=1; an embedded model not built yet passes, the run builds it;
+                    a local path that does not exist fails); every data source (file, folder,
+                    embedded task or name@split; rows are not read); the reward functions (a
+                    reward file is imported, the function looked up); the format-prompt file.
+                    Weights, tokenizers and rows are left to the run.
+  -h, --help        this text
+
+Every key and its default: configs/defaults.yaml; the guidance, correction and distillation
+knobs: README_guidance.md. A bad input exits with code 2 and one 'error:' line, before Ray starts.
+"""
+
+LAUNCHER_KEYS_ENV = "VERL_LAUNCHER_KEYS"
+"""Set by the launchers that derive config keys from their variables (examples/*.sh, through
+scripts/launcher_gpus.sh): `key=how;key=how`, e.g. `trainer.n_gpus_per_node=N_GPUS -
+GUIDANCE_GPUS = 8 - 2`; an error naming such a key names the variables too (`launcher_hint`)."""
 
 
 @dataclass
@@ -44,8 +72,9 @@ def _check_model_folder(key: str, path: str | None) -> None:
         )
 
 
-def _build_embedded_if_needed(config: PPOConfig) -> None:
-    """Model paths inside the embedded cache are built on first use (`verl/utils/embedded.py`)."""
+def _unbuilt_embedded(config: PPOConfig) -> dict[str, str]:
+    """Model paths inside the embedded cache that are not built yet -> the task whose build
+    makes them (a task's models are the draft/guidance folders of task_dir(task))."""
     paths = [config.worker.actor.model.model_path]
     if config.worker.rollout.offpolicy_guidance.enable:
         paths.append(config.worker.rollout.offpolicy_guidance.model_path)
@@ -53,24 +82,37 @@ def _build_embedded_if_needed(config: PPOConfig) -> None:
     missing = [
         p for p in paths if p and not os.path.isdir(p) and os.path.abspath(p).startswith(cache)
     ]
-    for task in TASKS:  # a task's models are the draft/guidance folders of task_dir(task)
-        if any(
-            os.path.dirname(os.path.abspath(p)) == os.path.abspath(task_dir(task)) for p in missing
-        ):
-            build_embedded(task=task)
+    folders = {os.path.abspath(task_dir(task)): task for task in TASKS}
+    return {
+        p: folders[os.path.dirname(os.path.abspath(p))]
+        for p in missing
+        if os.path.dirname(os.path.abspath(p)) in folders
+    }
+
+
+def _build_embedded_if_needed(config: PPOConfig) -> None:
+    """Model paths inside the embedded cache are built on first use (`verl/utils/embedded.py`)."""
+    for task in sorted(set(_unbuilt_embedded(config).values())):
+        build_embedded(task=task)
+
+
+def _check_attn_implementation(config: PPOConfig) -> None:
+    """flash_attention_2 needs CUDA here: one line now, not a traceback from every rank at load."""
+    from verl.utils.fsdp_utils import resolve_attn_implementation
+
+    attn = config.worker.actor.model.attn_implementation
+    if attn == "flash_attention_2":
+        resolve_attn_implementation(attn, "cuda" if config.trainer.use_gpu else "cpu")
 
 
 def check_models(config: PPOConfig) -> None:
     """Resolve every model path key to a local folder, in place (hub ids through the Hugging
     Face cache, downloaded when missing and the hub is reachable), then check the folders and
     that the guidance shares the draft's tokenizer. One-line errors; no model is loaded."""
-    from verl.utils.fsdp_utils import resolve_attn_implementation
     from verl.utils.model_path import resolve_config_model_paths
     from verl.workers.rollout.vllm_rollout_spmd import check_same_tokenizer
 
-    attn = config.worker.actor.model.attn_implementation
-    if attn == "flash_attention_2":  # one line here, not a traceback from every rank at load
-        resolve_attn_implementation(attn, "cuda" if config.trainer.use_gpu else "cpu")
+    _check_attn_implementation(config)
     _build_embedded_if_needed(config)
     resolve_config_model_paths(config)
     actor_path = config.worker.actor.model.model_path
@@ -81,8 +123,64 @@ def check_models(config: PPOConfig) -> None:
         check_same_tokenizer(actor_path, guidance.model_path)
 
 
+def resolve_rewards(config: PPOConfig) -> list[str]:
+    """Check that `worker.reward.reward_function` (and `val_reward_function` when set) resolve: a
+    built-in name, or a file that defines the function (the file is imported). Returns the
+    specs; ConfigError in one line naming the key otherwise."""
+    from verl.workers.reward.function import load_reward_function
+
+    specs = []
+    for name in ("reward_function", "val_reward_function"):
+        spec, key = getattr(config.worker.reward, name), f"worker.reward.{name}"
+        if spec is None and name == "val_reward_function":
+            continue
+        try:
+            load_reward_function(spec)
+        except (ValueError, FileNotFoundError, AttributeError) as error:
+            why = str(error).removeprefix("worker.reward.reward_function: ")
+            raise ConfigError(f"{key}={spec!r} does not resolve: {why}") from None
+        specs.append(spec)
+    return specs
+
+
+def check_inputs(config: PPOConfig, download: bool = False) -> str:
+    """Check what a run would load, loading nothing: model paths, data sources, reward functions,
+    the format-prompt file (`--dry-run`; USAGE says how). `prepare` runs it first with `download`
+    (hub ids and datasets not cached are fetched, as the run needs them), so a bad input fails at
+    once. Returns the dry run's closing line; a failure raises a one-line error naming the key."""
+    from verl.utils.model_path import config_model_paths, resolve_model_path
+
+    unbuilt, pending, built_later = _unbuilt_embedded(config), [], []
+    models = config_model_paths(config)
+    for key, value in models:
+        if value in unbuilt:
+            built_later.append(value)
+            continue
+        path = resolve_model_path(value, key, download=download)
+        if path is None:
+            pending.append(value)
+        else:
+            _check_model_folder(key, path)
+    data = [("data.train_files", config.data.train_files)]
+    if config.data.val_files:
+        data.append(("data.val_files", config.data.val_files))
+    for key, spec in data:
+        if resolve_data(spec, key, download=download) is None:
+            pending.append(spec)
+    prompt = config.data.format_prompt
+    if prompt and not os.path.isfile(prompt):
+        raise FileNotFoundError(f"data.format_prompt: file {prompt!r} not found")
+    rewards = " and ".join(repr(spec) for spec in resolve_rewards(config))
+    notes = [f"not cached here, downloaded by the run: {', '.join(pending)}"] if pending else []
+    if built_later:
+        notes.append(f"embedded, built by the run: {', '.join(built_later)}")
+    return (f"dry run: config valid; checked {len(models)} model paths, {len(data)} data sources, "
+            f"reward {rewards}{''.join(f'; {note}' for note in notes)}; nothing loaded")  # fmt: skip
+
+
 def prepare(config: PPOConfig) -> Prepared:
-    """Checks and builds everything that needs no Ray: models on disk, data, reward functions."""
+    """Checks and builds everything that needs no Ray: models on disk, data, reward functions.
+    The checks that load nothing (`check_inputs`) come first, so a bad path fails at once."""
     from transformers import AutoTokenizer
 
     from verl.workers.reward.function import FunctionRewardManager
@@ -93,6 +191,8 @@ def prepare(config: PPOConfig) -> Prepared:
             "(`ray start --head` here, `ray start --address=<head>:6379` on the other nodes) and "
             "set RAY_ADDRESS=<head>:6379"
         )
+    _check_attn_implementation(config)  # this machine's own limit, before what the run loads
+    check_inputs(config, download=True)
     check_models(config)
     actor_path = config.worker.actor.model.model_path
     tokenizer = AutoTokenizer.from_pretrained(
@@ -102,14 +202,12 @@ def prepare(config: PPOConfig) -> Prepared:
     encoder = PromptEncoder(
         tokenizer, data.max_prompt_length, data.apply_chat_template, data.format_prompt
     )
-    train = RLDataset(
-        data.train_files, encoder, data.prompt_key, data.answer_key, data.filter_overlong_prompts
-    )
+    train = RLDataset(data.train_files, encoder, data.prompt_key, data.answer_key,
+                      data.filter_overlong_prompts, key="data.train_files")  # fmt: skip
     val = None
     if data.val_files:
-        val = RLDataset(
-            data.val_files, encoder, data.prompt_key, data.answer_key, data.filter_overlong_prompts
-        )
+        val = RLDataset(data.val_files, encoder, data.prompt_key, data.answer_key,
+                        data.filter_overlong_prompts, key="data.val_files")  # fmt: skip
     if len(train) < data.rollout_batch_size:
         raise ValueError(f"data.rollout_batch_size={data.rollout_batch_size} is larger than the "
                          f"{len(train)} usable training prompts of {data.train_files!r}")  # fmt: skip
@@ -212,31 +310,48 @@ def _plot(run_dir: str) -> None:
             print(f"plot: {path}")
 
 
+def launcher_hint(message: str) -> str:
+    """`; launcher: key = VARIABLES = values` for each key of `LAUNCHER_KEYS_ENV` that `message`
+    names ("" when none, or when no launcher set it)."""
+    hints = []
+    for item in os.environ.get(LAUNCHER_KEYS_ENV, "").split(";"):
+        key, _, how = item.partition("=")
+        if key.strip() and re.search(rf"(?<![\w.]){re.escape(key.strip())}(?![\w])", message):
+            hints.append(f"{key.strip()} = {how.strip()}")
+    return f"; launcher: {', '.join(hints)}" if hints else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, check (before Ray), run. Exit 2 on a bad configuration or input, with one line.
-    `--dry-run`: load and validate the final config, print it as YAML, and stop (no models,
-    data or Ray are touched; hub ids are printed as given: `check_models` resolves them)."""
+    `--dry-run`: validate the final config and check what a run would load without loading it
+    (`check_inputs`), print the config as YAML (hub ids as given) and a closing `# dry run:` line.
+    `-h`/`--help`: USAGE."""
     args = sys.argv[1:] if argv is None else argv
+    if "-h" in args or "--help" in args:
+        print(USAGE, end="")
+        return 0
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C (SIGINT) stops a run even when it was started from a shell that ignores SIGINT
         # for background jobs (`make test &`, `nohup ... &`): the child inherits SIG_IGN, and
         # Python then installs no KeyboardInterrupt handler
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    dry_run = "--dry-run" in args
+    check_only = "--dry-run" in args
     args = [a for a in args if a != "--dry-run"]
     try:
         config = load_config(args)
-        if dry_run:
+        if check_only:
             from omegaconf import OmegaConf
 
             from verl.trainer.config import to_dict
 
+            closing = check_inputs(config)
             print(OmegaConf.to_yaml(OmegaConf.create(to_dict(config))), end="")
+            print(f"# {closing}")
             return 0
         prepared = prepare(config)
     except (ConfigError, FileNotFoundError, ValueError, KeyError) as error:
-        message = error.args[0] if isinstance(error, KeyError) and error.args else error
-        print(f"error: {message}", file=sys.stderr)
+        message = str(error.args[0] if isinstance(error, KeyError) and error.args else error)
+        print(f"error: {message}{launcher_hint(message)}", file=sys.stderr)
         return 2
     from verl.trainer.ray_trainer import StaleRolloutWeights
     from verl.workers.reward.function import RewardError

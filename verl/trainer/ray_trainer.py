@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
-import warnings
 
 import numpy as np
 import ray
@@ -25,7 +25,6 @@ from verl.trainer.core_algos.advantage import (
     GUIDED_ADVANTAGES,
     get_adv_estimator_fn,
     guided_advantage_weight,
-    is_grouped,
 )
 from verl.trainer.core_algos.distill import compute_distill_metrics, distill_advantages
 from verl.trainer.core_algos.guidance import (
@@ -113,17 +112,20 @@ class RayPPOTrainer:
             )
         steps_per_epoch = len(self.train_loader)
         self.total_steps = trainer.max_steps or steps_per_epoch * trainer.total_epochs
+        optim = config.worker.actor.optim
+        if optim.training_steps is None:  # the LR schedule spans the run unless the user set it
+            optim.training_steps = self.total_steps
         self.run_dir = trainer.save_checkpoint_path
-        self.global_step = 0  # steps done; while a step runs, its 1-based number (step 1 is the first)
+        # steps done; while a step runs, its 1-based number (the first step is step 1)
+        self.global_step = 0
         self.use_gpu = trainer.use_gpu
-        self._warned_single_sample = False
         self._bucket_plan: list[list[str]] | None = None
         self.placement: Placement | None = None  # FSDP ranks, draft replicas (+ guidance)
         self.guidance_placement: Placement | None = None  # dedicated guidance GPUs
         self.seen_indices: list[list[int]] = []  # dataset rows of each step (resume checks)
         guidance = config.worker.rollout.offpolicy_guidance
-        first_tau = guidance.first_step_entropy_threshold
-        self.entropy_tau = guidance.entropy_threshold if first_tau is None else first_tau  # τ of the gate
+        first_tau = guidance.first_step_entropy_threshold  # τ of the entropy gate at step 1
+        self.entropy_tau = guidance.entropy_threshold if first_tau is None else first_tau
 
     # ------------------------------------------------------------------ workers
     def init_workers(self) -> None:
@@ -148,7 +150,9 @@ class RayPPOTrainer:
             guidance = share / 2 if guided else 0
         self.actor_wg = RayWorkerGroup(FSDPWorker, self.world_size, cfg.worker, role=role, placement=self.placement,
                                        num_cpus_per_worker=1, num_gpus_per_worker=share)  # fmt: skip
-        self.actor_wg.execute_all("init_model")
+        for notices in self.actor_wg.execute_all("init_model"):  # rank 0's only: printed once
+            for notice in notices:
+                print(f"warning: {notice}", file=sys.stderr, flush=True)
         self.rollout = RolloutGroup(rollout.num_replicas, cfg.worker.actor.model.model_path, rollout, num_cpus=cpus,
                                     num_gpus=share - (0 if dedicated else guidance), guidance_gpus=guidance,
                                     placement=self.placement, guidance_placement=self.guidance_placement)  # fmt: skip
@@ -181,7 +185,9 @@ class RayPPOTrainer:
             [f"{self.global_step}-{i}" for i in range(len(batch))], dtype=object
         )
         lam, _ = step_guidance(cfg, self.global_step, self.total_steps)
-        batch.meta_info.update(global_step=self.global_step, lam=lam, entropy_threshold=self.entropy_tau)
+        batch.meta_info.update(
+            global_step=self.global_step, lam=lam, entropy_threshold=self.entropy_tau
+        )
         with timed("gen", metrics):
             out = self.rollout.generate_sequences(batch)
         meta = out.meta_info
@@ -260,14 +266,6 @@ class RayPPOTrainer:
                                                    b["response_mask"], algo.kl_coef, algo.kl_penalty)  # fmt: skip
             metrics.update(kl_metrics)
         b["token_level_rewards"] = rewards
-        if (
-            is_grouped(algo.adv_estimator)
-            and cfg.worker.rollout.n == 1
-            and not self._warned_single_sample
-        ):
-            warnings.warn(f"algorithm.adv_estimator={algo.adv_estimator!r} groups the n samples of a "
-                          "prompt, but worker.rollout.n=1: every group has one sample (raw returns)", stacklevel=2)  # fmt: skip
-            self._warned_single_sample = True
         advantages, returns = get_adv_estimator_fn(algo.adv_estimator)(
             token_level_rewards=rewards, response_mask=b["response_mask"],
             index=batch.non_tensor_batch["uid"], epsilon=algo.adv_epsilon, gamma=algo.gamma,
@@ -356,13 +354,14 @@ class RayPPOTrainer:
         if self.val_loader is None:
             return {}
         overrides = self.config.worker.rollout.val_override_config
-        scores, lengths, components = [], [], {}
+        scores, lengths, components, samples = [], [], {}, []
         for batch in self.val_loader:
             batch.meta_info = {"n": overrides.get("n", 1), "guidance": False, "global_step": self.global_step,
                                "temperature": overrides.get("temperature", self.config.worker.rollout.temperature)}  # fmt: skip
             out = self.rollout.generate_sequences(batch)
             token_scores, parts = self.val_reward.compute(out)
             scores.append(token_scores.sum(-1))
+            self._val_samples(out, scores[-1], batch.meta_info["n"], samples)
             lengths.append(out.batch["response_mask"].sum(-1))
             for key, values in parts.items():
                 components.setdefault(key, []).extend(values)
@@ -371,7 +370,26 @@ class RayPPOTrainer:
         for key, values in components.items():
             if key != "overall":
                 metrics[f"val/score/{key}"] = sum(values) / len(values)
+        if getattr(self, "tracker", None) is not None:
+            self.tracker.log_generations(samples, self.global_step)
         return metrics
+
+    def _val_samples(self, out: DataProto, scores: torch.Tensor, n: int, samples: list) -> None:
+        """Add to `samples` the first response of each prompt, in the validation set's fixed
+        order, until it holds `trainer.val_generations_to_log`: the same prompts every time."""
+        rows = list(range(0, len(out), n))[
+            : self.config.trainer.val_generations_to_log - len(samples)
+        ]
+        if not rows:
+            return
+        b, extra = out.batch, out.non_tensor_batch
+        lengths = b["response_mask"].sum(-1).long().tolist()
+        texts = self.val_reward.tokenizer.batch_decode(
+            [b["responses"][i][: lengths[i]].tolist() for i in rows],
+            skip_special_tokens=self.val_reward.config.skip_special_tokens)  # fmt: skip
+        for i, text in zip(rows, texts, strict=True):
+            samples.append({"prompt": str(extra["raw_prompt"][i]), "response": text,
+                            "ground_truth": str(extra["ground_truth"][i]), "score": float(scores[i])})  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> str:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import difflib
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -38,3 +39,14 @@ def check_range(
         lo = "-inf" if low is None else low
         hi = "inf" if high is None else high
         fail(key, value, f"expected a value in {'(' if low_open else '['}{lo}, {hi}]")
+
+
+def check_fields(key: str, value: Mapping[str, Any], valid: Iterable[str], why: str = "") -> None:
+    """Every field (key) of the dict `value` must be one of `valid`; an unknown one is named with
+    its closest valid names. `why` says where `valid` comes from."""
+    valid = list(valid)
+    for name in value:
+        if name not in valid:
+            close = difflib.get_close_matches(str(name), valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            fail(key, dict(value), f"unknown field {name!r}{hint}; valid: {', '.join(valid)}{why}")

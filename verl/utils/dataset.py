@@ -3,7 +3,8 @@
 `data.train_files` / `data.val_files` accept:
 - `path/to/file.jsonl` (or `.json`), `path/to/file.parquet`;
 - a local folder written by `datasets.save_to_disk`, or any folder `datasets.load_dataset` reads;
-- `name@split` for a Hugging Face dataset already in the local cache (no hub access here);
+- `name@split` for a Hugging Face dataset: its snapshot in the local hub cache, downloaded first
+  when missing and the hub may be reached (as models are: `verl.utils.model_path.hub_snapshot`);
 - `embedded://arithmetic@train` / `@test`, built by `verl/utils/embedded.py`.
 
 Each prompt is wrapped in the format-prompt template (a Jinja file with `{{ content }}`) when one
@@ -23,32 +24,76 @@ import torch
 from verl.protocol import DataProto
 from verl.utils.embedded import EMBEDDED_SCHEME, load_embedded
 
+DATA_FORMS = (
+    "valid: a .jsonl/.json/.parquet file, a dataset folder, embedded://<task>@train|test, or "
+    "name@split of a Hugging Face dataset in the local cache or reachable on the hub"
+)
+"""What `data.train_files` / `data.val_files` take, for the one-line errors."""
 
-def load_rows(spec: str) -> list[dict]:
-    """The rows of a dataset given in any form listed in the module docstring."""
+FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+"""Data file extension -> `datasets` builder."""
+
+
+def resolve_data(spec: str, key: str = "data", download: bool = True) -> str | None:
+    """Where `spec` loads from: itself for a local file (of a known format), a folder or an
+    embedded spec (a known task and split), else the local snapshot folder of the hub dataset of
+    `name@split`, cached or downloaded as models are (`verl.utils.model_path.hub_snapshot`; with
+    `download=False`, None for one a run would download). Raises FileNotFoundError or ValueError
+    in one line naming `key`, `spec` and what is valid."""
     if spec.startswith(EMBEDDED_SCHEME):
-        return load_embedded(spec)
+        try:
+            load_embedded(spec)
+        except ValueError as error:
+            raise ValueError(f"{key}: {error}") from None
+        return spec
+    if os.path.isfile(spec):
+        if os.path.splitext(spec)[1] not in FILE_FORMATS:
+            raise ValueError(f"{key}: data file {spec!r}: unknown format; valid: .jsonl, .json, .parquet")  # fmt: skip
+        return spec
+    if os.path.isdir(spec):
+        return spec
+    from verl.utils.model_path import hub_snapshot, parse_hub_id
+
+    name, sep, split = spec.partition("@")
+    hub_id = parse_hub_id(name) if sep and split else None
+    if hub_id is None:
+        where = "" if os.path.isabs(spec) else f" (relative to {os.getcwd()})"
+        raise FileNotFoundError(f"{key}: {spec!r} is not a file or folder{where}; {DATA_FORMS}")
+    try:
+        return hub_snapshot(hub_id[0], repo_type="dataset", download=download)
+    except LookupError as why:
+        raise FileNotFoundError(
+            f"{key}: {spec!r} is not a file or folder, and as a hub dataset it is {why}; {DATA_FORMS}"
+        ) from None
+
+
+def load_rows(spec: str, key: str = "data") -> list[dict]:
+    """The rows of a dataset given in any form listed in the module docstring; `key` (the config
+    key it came from) names it in the one-line errors."""
+    if spec.startswith(EMBEDDED_SCHEME):
+        try:
+            return load_embedded(spec)
+        except ValueError as error:
+            raise ValueError(f"{key}: {error}") from None
+    source = resolve_data(spec, key)
     import datasets
 
-    if os.path.isfile(spec):
-        kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(
-            os.path.splitext(spec)[1]
-        )
-        if kind is None:
-            raise ValueError(f"data file {spec!r}: unknown format; valid: .jsonl, .json, .parquet")
-        return list(datasets.load_dataset(kind, data_files=spec, split="train"))
-    if os.path.isdir(spec):
+    if os.path.isfile(source):
+        kind = FILE_FORMATS[os.path.splitext(source)[1]]
+        return list(datasets.load_dataset(kind, data_files=source, split="train"))
+    if source == spec:  # a local folder
         if os.path.isfile(os.path.join(spec, "dataset_info.json")):
             loaded = datasets.load_from_disk(spec)
             return list(loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded)
         return list(datasets.load_dataset(spec, split="train"))
-    name, sep, split = spec.partition("@")
-    if not sep:
-        raise FileNotFoundError(
-            f"data {spec!r} is not a file or folder; use a .jsonl/.parquet path, a dataset folder, "
-            "name@split, or embedded://arithmetic@train"
-        )
-    return list(datasets.load_dataset(name, split=split))
+    split = spec.partition("@")[2]
+    try:  # the snapshot folder of a hub dataset
+        return list(datasets.load_dataset(source, split=split))
+    except Exception as error:  # an unknown split, files a partial snapshot lacks, ...
+        text = (str(error).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"{key}: {spec!r} (hub snapshot {source}): {type(error).__name__}: {text}"
+        ) from None
 
 
 @dataclass
@@ -92,14 +137,14 @@ class RLDataset(torch.utils.data.Dataset):
     """Tokenised prompts with their ground truth; overlong prompts filtered and counted."""
 
     def __init__(self, spec: str, encoder: PromptEncoder, prompt_key: str, answer_key: str,
-                 filter_overlong: bool = True) -> None:  # fmt: skip
-        rows = load_rows(spec)
+                 filter_overlong: bool = True, key: str = "data") -> None:  # fmt: skip
+        rows = load_rows(spec, key)
         if not rows:
-            raise ValueError(f"data {spec!r} has no rows")
-        for key in (prompt_key, answer_key):
-            if key not in rows[0]:
+            raise ValueError(f"{key}: {spec!r} has no rows")
+        for column in (prompt_key, answer_key):
+            if column not in rows[0]:
                 raise KeyError(
-                    f"data {spec!r} has no column {key!r}; columns: {', '.join(rows[0])}"
+                    f"{key}: {spec!r} has no column {column!r}; columns: {', '.join(rows[0])}"
                 )
         self.encoder, self.items, self.num_filtered = encoder, [], 0
         for index, row in enumerate(rows):
@@ -107,14 +152,14 @@ class RLDataset(torch.utils.data.Dataset):
             if len(ids) > encoder.max_prompt_length:
                 if not filter_overlong:
                     raise ValueError(
-                        f"data {spec!r} row {index}: prompt of {len(ids)} tokens > data.max_prompt_length="
+                        f"{key}: {spec!r} row {index}: prompt of {len(ids)} tokens > data.max_prompt_length="
                         f"{encoder.max_prompt_length} (set data.filter_overlong_prompts=true to drop such rows)"
                     )
                 self.num_filtered += 1
                 continue
             self.items.append((ids, str(row[answer_key]), str(row[prompt_key]), index))
         if not self.items:
-            raise ValueError(f"data {spec!r}: every prompt is longer than data.max_prompt_length")
+            raise ValueError(f"{key}: {spec!r}: every prompt is longer than data.max_prompt_length")
 
     def __len__(self) -> int:
         return len(self.items)

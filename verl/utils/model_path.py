@@ -5,11 +5,13 @@ A hub id is resolved to its snapshot folder in the local Hugging Face cache (`HF
 online (`HF_HUB_OFFLINE` unset), downloaded into that cache first. The trainer resolves every model
 path key once, before anything loads (`resolve_config_model_paths`, called by
 `verl.trainer.main.prepare`), so the rest of the code only ever sees local folders. Anything else
-fails in one line naming the key, the value and what is valid.
+fails in one line naming the key, the value and what is valid. The same cache-or-download rule
+(`hub_snapshot`) serves the `name@split` datasets of `verl.utils.dataset`.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -68,12 +70,45 @@ def _first_line(error: Exception) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def resolve_model_path(value: str | None, key: str) -> str:
+def hub_snapshot(
+    repo_id: str,
+    revision: str | None = None,
+    repo_type: str = "model",
+    download: bool = True,
+    ignore_patterns: list[str] | None = None,
+) -> str | None:
+    """The local snapshot folder of a hub repo: from the cache, else downloaded into it when
+    `download` and the hub may be reached (`HF_HUB_OFFLINE` unset). With `download=False`, None
+    for a repo that is not cached but that a download could fetch. Raises LookupError (why, one
+    line) when it is not cached and cannot be had: HF_HUB_OFFLINE, or the download failed."""
+    from huggingface_hub import snapshot_download
+
+    where = dict(repo_id=repo_id, revision=revision, cache_dir=hub_cache_dir())
+    if repo_type != "model":
+        where["repo_type"] = repo_type
+    try:
+        return snapshot_download(**where, local_files_only=True)
+    except Exception:  # not cached (LocalEntryNotFoundError) or an unusable cache entry
+        pass
+    if hub_offline():
+        raise LookupError("not in the local cache, and HF_HUB_OFFLINE forbids a download")
+    if not download:
+        return None
+    try:
+        return snapshot_download(**where, ignore_patterns=ignore_patterns)
+    except Exception as error:  # no network, unknown repo or revision, gated, disk full, ...
+        raise LookupError(
+            f"not in the local cache, and the download failed ({_first_line(error)})"
+        ) from None
+
+
+def resolve_model_path(value: str | None, key: str, download: bool = True) -> str | None:
     """A local folder, returned as is; else the local snapshot folder of the hub id `value`
     (`org/name[@revision]`), downloaded first when it is not cached and the hub may be reached.
     A snapshot folder of the hub cache that is missing here (the driver's path on another node)
-    is resolved as `org/name@commit`, the same revision. Raises FileNotFoundError in one line
-    naming `key`, `value` and what is valid."""
+    is resolved as `org/name@commit`, the same revision. With `download=False` (`--dry-run`)
+    nothing is downloaded: None for a hub id that a run would download. Raises
+    FileNotFoundError in one line naming `key`, `value` and what is valid."""
     if value and os.path.isdir(value):
         return value
     valid = (
@@ -83,40 +118,34 @@ def resolve_model_path(value: str | None, key: str) -> str:
     hub_id = parse_hub_id(value or "") or parse_hub_id(_snapshot_id(value or "") or "")
     if hub_id is None:
         raise FileNotFoundError(f"{key}: {value!r} is not a local folder; {valid}")
-    from huggingface_hub import snapshot_download
-
     repo_id, revision = hub_id
-    where = dict(repo_id=repo_id, revision=revision, cache_dir=hub_cache_dir())
     try:
-        return snapshot_download(**where, local_files_only=True)
-    except Exception:  # not cached (LocalEntryNotFoundError) or an unusable cache entry
-        pass
-    if hub_offline():
-        why = "not in the local cache, and HF_HUB_OFFLINE forbids a download"
-    else:
-        try:
-            return snapshot_download(**where, ignore_patterns=list(WEIGHT_FORMATS_SKIPPED))
-        except Exception as error:  # no network, unknown repo or revision, gated, disk full, ...
-            why = f"not in the local cache, and the download failed ({_first_line(error)})"
-    raise FileNotFoundError(
-        f"{key}: {value!r} is not a local folder, and as a hub id it is {why}; {valid}"
-    )
+        return hub_snapshot(repo_id, revision, download=download,
+                            ignore_patterns=list(WEIGHT_FORMATS_SKIPPED))  # fmt: skip
+    except LookupError as why:
+        raise FileNotFoundError(
+            f"{key}: {value!r} is not a local folder, and as a hub id it is {why}; {valid}"
+        ) from None
+
+
+def config_model_paths(config) -> list[tuple[str, str | None]]:
+    """(key, value) of every model path a run of the `PPOConfig` loads: the actor's model and
+    tokenizer (the reference policy loads the actor's model) and, with guidance on, the guidance."""
+    model, guidance = config.worker.actor.model, config.worker.rollout.offpolicy_guidance
+    paths = [("worker.actor.model.model_path", model.model_path)]
+    if model.tokenizer_path:
+        paths.append(("worker.actor.model.tokenizer_path", model.tokenizer_path))
+    if guidance.enable:
+        paths.append(("worker.rollout.offpolicy_guidance.model_path", guidance.model_path))
+    return paths
 
 
 def resolve_config_model_paths(config) -> None:
-    """Resolve, in place, every model path key of a `PPOConfig`: the actor's model and tokenizer
-    (the reference policy loads the actor's model) and, with guidance on, the guidance model."""
-    model = config.worker.actor.model
-    model.model_path = resolve_model_path(model.model_path, "worker.actor.model.model_path")
-    if model.tokenizer_path:
-        model.tokenizer_path = resolve_model_path(
-            model.tokenizer_path, "worker.actor.model.tokenizer_path"
-        )
-    guidance = config.worker.rollout.offpolicy_guidance
-    if guidance.enable:
-        guidance.model_path = resolve_model_path(
-            guidance.model_path, "worker.rollout.offpolicy_guidance.model_path"
-        )
+    """Resolve, in place, every model path key of a `PPOConfig` (`config_model_paths`)."""
+    for key, value in config_model_paths(config):
+        *parents, leaf = key.split(".")
+        holder = functools.reduce(getattr, parents, config)
+        setattr(holder, leaf, resolve_model_path(value, key))
 
 
 def _link_or_copy(src: str, dst: str) -> str:
@@ -128,13 +157,14 @@ def _link_or_copy(src: str, dst: str) -> str:
 
 
 def add_to_hub_cache(folder: str, repo_id: str, revision: str = "main",
-                     cache_dir: str | None = None) -> str:  # fmt: skip
-    """Place a local model folder in the hub cache under `repo_id` at `revision` (a fake commit
-    hash; files hard-linked where possible), so that hub ids resolve to it offline: a machine
-    that cannot reach the hub, and the tests. Returns the snapshot folder."""
+                     cache_dir: str | None = None, repo_type: str = "model") -> str:  # fmt: skip
+    """Place a local model (or, with repo_type="dataset", dataset) folder in the hub cache under
+    `repo_id` at `revision` (a fake commit hash; files hard-linked where possible), so that hub
+    ids resolve to it offline: a machine that cannot reach the hub, and the tests. Returns the
+    snapshot folder."""
     cache_dir = cache_dir or hub_cache_dir()
     commit = hashlib.sha1(f"{repo_id}@{revision}".encode()).hexdigest()
-    repo = os.path.join(cache_dir, "models--" + repo_id.replace("/", "--"))
+    repo = os.path.join(cache_dir, f"{repo_type}s--" + repo_id.replace("/", "--"))
     snapshot = os.path.join(repo, "snapshots", commit)
     shutil.copytree(folder, snapshot, copy_function=_link_or_copy, dirs_exist_ok=True)
     os.makedirs(os.path.join(repo, "refs"), exist_ok=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from verl.protocol import DataProto
-from verl.trainer.core_algos.policy_loss import LOSS_AGG_MODES
+from verl.trainer.core_algos.policy_loss import LOSS_AGG_MODES, PolicyLossConfig
 from verl.utils import metric_names as M
 from verl.utils.synthetic import synthetic_rl_batch
 from verl.utils.tiny_lm import TinyLMSpec, build_tiny_qwen2
@@ -141,10 +141,11 @@ def test_update_with_behavior_equal_old_and_unit_weights_is_plain_ppo(model, bat
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES.names())
 def test_gradient_accumulation_equals_single_batch_update(model, batch, mode):
     data = _update_batch(model, batch, seed=3)
+    loss = PolicyLossConfig(loss_agg_mode=mode)
     accumulated, m_acc = _step(
-        model, data, loss_agg_mode=mode, micro_batch_size_per_device_for_update=2
+        model, data, policy_loss=loss, micro_batch_size_per_device_for_update=2
     )
-    single, m_one = _step(model, data, loss_agg_mode=mode, micro_batch_size_per_device_for_update=8)
+    single, m_one = _step(model, data, policy_loss=loss, micro_batch_size_per_device_for_update=8)
     assert _max_param_diff(accumulated, single) < 1e-6
     assert m_acc[M.ACTOR_PG_LOSS][0] == pytest.approx(m_one[M.ACTOR_PG_LOSS][0], abs=1e-6)
     assert m_acc[M.ACTOR_GRAD_NORM][0] == pytest.approx(m_one[M.ACTOR_GRAD_NORM][0], rel=1e-5)

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from verl.trainer.core_algos.offpolicy import LOG_RATIO_CLAMP, compute_opsm_mask
 from verl.utils import metric_names as M
+from verl.utils.config_checks import check_choice, check_range
 from verl.utils.registry import Registry
 from verl.utils.torch_functional import masked_mean
 
@@ -97,8 +99,18 @@ def agg_loss(
 
 @dataclass
 class PolicyLossConfig:
-    """Hyper-parameters read by the policy losses (built from the actor and algorithm configs)."""
+    """The policy loss and its hyper-parameters: `worker.actor.policy_loss`, declared here once.
 
+    The four importance/OPSM keys (`DERIVED`) belong to `algorithm.*`, which the trainer reads
+    too; `PPOConfig.post_init` copies them here, and refuses a value set here that differs."""
+
+    DERIVED: ClassVar[tuple[str, ...]] = (
+        "importance_clamp_min", "importance_clamp_max", "importance_detach", "opsm_delta",
+    )  # fmt: skip
+    """The fields copied from algorithm.* (not keys a user sets here)."""
+
+    loss_type: str = "ppo"
+    """Policy loss, a name of the policy-loss registry (POLICY_LOSSES)."""
     clip_ratio_low: float = 0.2
     """PPO: lower clip ε_low, r ≥ 1 - ε_low."""
     clip_ratio_high: float = 0.28
@@ -110,11 +122,11 @@ class PolicyLossConfig:
     loss_horizon: int | None = None
     """Fixed horizon H of seq-mean-token-sum-norm (None: the padded response length)."""
     importance_clamp_min: float = 0.0
-    """Lower clamp of π_θ/μ when the weight is recomputed live (importance_detach=False)."""
+    """auto: algorithm.importance_clamp_min; the lower clamp of π_θ/μ recomputed live (importance_detach=False)."""
     importance_clamp_max: float = 2.0
-    """Upper clamp of π_θ/μ when the weight is recomputed live (importance_detach=False)."""
+    """auto: algorithm.importance_clamp_max; the upper clamp of π_θ/μ recomputed live (importance_detach=False)."""
     importance_detach: bool = True
-    """True: w = π_old/μ is a constant. False: w = clamp(π_θ/μ) carries gradient."""
+    """auto: algorithm.importance_detach; True: w = π_old/μ is a constant, False: w = clamp(π_θ/μ) carries gradient."""
     tv_delta: float = 0.15
     """DPPO/CPPO: TV trust-region radius δ on |π_θ(y) - μ(y)|."""
     is_ratio_cap: float = 20.0
@@ -130,7 +142,23 @@ class PolicyLossConfig:
     luffy_gamma: float = 0.1
     """LUFFY shaping constant γ."""
     opsm_delta: float | None = None
-    """OPSM threshold δ on mean log(μ/π_θ) for responses with A < 0 (None: off)."""
+    """auto: algorithm.opsm_delta; OPSM threshold δ on mean log(μ/π_θ) for responses with A < 0 (None: off)."""
+
+    def validate(self, prefix: str) -> None:
+        """Fail fast on bad values, naming `prefix`.key."""
+        check_choice(f"{prefix}.loss_type", self.loss_type, POLICY_LOSSES.names())
+        check_choice(f"{prefix}.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES.names())
+        check_range(f"{prefix}.clip_ratio_low", self.clip_ratio_low, 0.0, 1.0)
+        check_range(f"{prefix}.clip_ratio_high", self.clip_ratio_high, 0.0)
+        check_range(f"{prefix}.clip_ratio_dual", self.clip_ratio_dual, 1.0, low_open=True)
+        check_range(f"{prefix}.tv_delta", self.tv_delta, 0.0, 1.0, low_open=True)
+        check_range(f"{prefix}.is_ratio_cap", self.is_ratio_cap, 0.0, low_open=True)
+        check_range(f"{prefix}.cppo_w_min", self.cppo_w_min, 0.0, 1.0, low_open=True)
+        check_range(f"{prefix}.cppo_budget", self.cppo_budget, 0.0, low_open=True)
+        check_range(f"{prefix}.cppo_budget_quantile", self.cppo_budget_quantile, 0.0, 1.0)
+        check_range(f"{prefix}.luffy_gamma", self.luffy_gamma, 0.0, low_open=True)
+        if self.loss_horizon is not None:
+            check_range(f"{prefix}.loss_horizon", self.loss_horizon, 1)
 
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-from verl.trainer.core_algos.policy_loss import LOSS_AGG_MODES, POLICY_LOSSES, PolicyLossConfig
+from verl.trainer.core_algos.policy_loss import PolicyLossConfig
 from verl.utils.config_checks import check_choice, check_range, fail
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -51,14 +51,16 @@ class OptimConfig:
     """Warm-up steps (overrides lr_warmup_ratio when set)."""
     min_lr_ratio: float | None = None
     """Cosine floor as a share of lr (None: constant after warm-up)."""
-    training_steps: int = -1
-    """auto: total training steps, set by the trainer."""
+    training_steps: int | None = None
+    """Steps the warm-up ratio and the cosine decay span (None: the run's steps, filled by the trainer once the data is loaded)."""
 
     def validate(self, prefix: str) -> None:
         """Fail fast on bad values."""
         check_range(f"{prefix}.lr", self.lr, 0.0, low_open=True)
         check_range(f"{prefix}.weight_decay", self.weight_decay, 0.0)
         check_range(f"{prefix}.lr_warmup_ratio", self.lr_warmup_ratio, 0.0, 1.0)
+        if self.training_steps is not None:
+            check_range(f"{prefix}.training_steps", self.training_steps, 1)
         for i, beta in enumerate(self.betas):
             check_range(f"{prefix}.betas[{i}]", beta, 0.0, 1.0)
 
@@ -68,7 +70,7 @@ class FSDPConfig:
     """FSDP2 sharding and precision."""
 
     enable_full_shard: bool = True
-    """Shard parameters, gradients and optimizer state (ZeRO-3); False shards optimizer state only."""
+    """True: each decoder layer frees its gathered parameters after forward and gathers them again in backward (ZeRO-3); False: FSDP2 reshard_after_forward=False on the layers, what forward gathered stays until backward (FSDP1's SHARD_GRAD_OP, ZeRO-2: one all-gather per step instead of two, the whole unsharded model resident while computing). Gradients and optimizer state are sharded and parameters resharded after each stage either way."""
     torch_dtype: str | None = None
     """Dtype the weights are loaded in (None: float32 for the actor, bfloat16 on GPU for ref)."""
     mp_param_dtype: str = "bfloat16"
@@ -89,9 +91,9 @@ class OffloadConfig:
     """CPU offloading between stages (GPU only)."""
 
     offload_params: bool = False
-    """Move parameters to CPU when the actor is idle."""
+    """GPU: the sharded parameters (and gradients) live in host memory between stages, loaded onto the GPU for log-probs, the update and checkpoints (weight sync gathers them tensor by tensor), so the vLLM engines have that memory while they generate; no effect on CPU (one warning line at start)."""
     offload_optimizer: bool = False
-    """Move optimizer state to CPU when the actor is idle."""
+    """GPU: the actor's AdamW state lives in host memory except during the update and checkpoints (the reference has none); no effect on CPU (one warning line at start)."""
 
 
 @dataclass
@@ -116,32 +118,8 @@ class ActorConfig:
     """Build micro-batches by a token budget instead of a fixed count."""
     max_token_len_per_device: int = 16384
     """Token budget of a micro-batch with dynamic batching."""
-    loss_type: str = "ppo"
-    """Policy loss, a name of the policy-loss registry."""
-    loss_agg_mode: str = "token-mean"
-    """Loss aggregation, a name of the aggregation registry."""
-    loss_horizon: int | None = None
-    """Fixed horizon of seq-mean-token-sum-norm (None: response_length)."""
-    clip_ratio_low: float = 0.2
-    """PPO lower clip ε_low."""
-    clip_ratio_high: float = 0.28
-    """PPO upper clip ε_high (clip-higher)."""
-    clip_ratio_dual: float = 3.0
-    """PPO dual-clip constant c > 1 for negative advantages."""
-    tv_delta: float = 0.15
-    """DPPO/CPPO total-variation radius δ."""
-    is_ratio_cap: float = 20.0
-    """DPPO/CPPO truncation of π_θ/μ."""
-    cppo_w_min: float = 0.8
-    """CPPO position weight at the last token."""
-    cppo_budget: float = 0.02
-    """CPPO base prefix budget δ_b."""
-    cppo_budget_quantile: float = 0.9
-    """CPPO quantile of the response's divergences setting its budget."""
-    luffy_shaping: bool = False
-    """LUFFY policy shaping of guidance tokens, f(π) = π/(π+γ)."""
-    luffy_gamma: float = 0.1
-    """LUFFY shaping constant γ."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """The policy loss: its type, aggregation, clip ratios and the DPPO/CPPO/LUFFY knobs (verl's policy_loss block)."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient (0: off)."""
     use_kl_loss: bool = False
@@ -164,14 +142,6 @@ class ActorConfig:
     """FSDP2 settings."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """CPU offloading."""
-    importance_clamp_min: float = 0.0
-    """auto: algorithm.importance_clamp_min."""
-    importance_clamp_max: float = 2.0
-    """auto: algorithm.importance_clamp_max."""
-    importance_detach: bool = True
-    """auto: algorithm.importance_detach."""
-    opsm_delta: float | None = None
-    """auto: algorithm.opsm_delta."""
     distill_coef: float = 0.0
     """auto: algorithm.distill.coef in loss mode (0 otherwise): β of the distillation loss term."""
     distill_estimator: str = "k1"
@@ -179,34 +149,18 @@ class ActorConfig:
     distill_topk_forward: bool = False
     """auto: algorithm.distill.topk_forward (with coef > 0): the loss term is the top-K forward KL."""
 
-    def policy_loss_config(self) -> PolicyLossConfig:
-        """The loss hyper-parameters, as the algorithm core wants them (same field names)."""
-        return PolicyLossConfig(**{f.name: getattr(self, f.name) for f in fields(PolicyLossConfig)})
-
     def validate(self, prefix: str) -> None:
         """Fail fast on bad values."""
         check_choice(f"{prefix}.strategy", self.strategy, ["fsdp"])
-        check_choice(f"{prefix}.loss_type", self.loss_type, POLICY_LOSSES.names())
-        check_choice(f"{prefix}.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES.names())
         for key in ("global_batch_size", "micro_batch_size_per_device_for_update",
                     "micro_batch_size_per_device_for_experience", "ppo_epochs", "max_token_len_per_device",
                     "sum_pi_squared_chunk_size"):  # fmt: skip
             check_range(f"{prefix}.{key}", getattr(self, key), 1)
         check_range(f"{prefix}.max_grad_norm", self.max_grad_norm, 0.0, low_open=True)
-        check_range(f"{prefix}.clip_ratio_low", self.clip_ratio_low, 0.0, 1.0)
-        check_range(f"{prefix}.clip_ratio_high", self.clip_ratio_high, 0.0)
-        check_range(f"{prefix}.clip_ratio_dual", self.clip_ratio_dual, 1.0, low_open=True)
-        check_range(f"{prefix}.tv_delta", self.tv_delta, 0.0, 1.0, low_open=True)
-        check_range(f"{prefix}.is_ratio_cap", self.is_ratio_cap, 0.0, low_open=True)
-        check_range(f"{prefix}.cppo_w_min", self.cppo_w_min, 0.0, 1.0, low_open=True)
-        check_range(f"{prefix}.cppo_budget", self.cppo_budget, 0.0, low_open=True)
-        check_range(f"{prefix}.cppo_budget_quantile", self.cppo_budget_quantile, 0.0, 1.0)
-        check_range(f"{prefix}.luffy_gamma", self.luffy_gamma, 0.0, low_open=True)
-        if self.loss_horizon is not None:
-            check_range(f"{prefix}.loss_horizon", self.loss_horizon, 1)
         if self.micro_batch_size_per_device_for_update > self.global_batch_size:
             fail(f"{prefix}.micro_batch_size_per_device_for_update", self.micro_batch_size_per_device_for_update,
                  f"must not exceed {prefix}.global_batch_size={self.global_batch_size}")  # fmt: skip
+        self.policy_loss.validate(f"{prefix}.policy_loss")
         self.model.validate(f"{prefix}.model")
         self.optim.validate(f"{prefix}.optim")
         self.fsdp.validate(f"{prefix}.fsdp")

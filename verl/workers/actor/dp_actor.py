@@ -144,8 +144,8 @@ class DataParallelPPOActor:
         self.actor_module = actor_module
         self.actor_optimizer = actor_optimizer
         self.lr_scheduler = lr_scheduler
-        self.loss_config = config.policy_loss_config()
-        self.policy_loss_fn = get_policy_loss_fn(config.loss_type)
+        self.loss_config = config.policy_loss
+        self.policy_loss_fn = get_policy_loss_fn(config.policy_loss.loss_type)
 
     # ------------------------------------------------------------------ forward
     def _model_inputs(
@@ -317,7 +317,7 @@ class DataParallelPPOActor:
                 rollout_mask=batch.get("rollout_mask"),
                 global_num_tokens=num_tokens, global_num_seqs=num_seqs,
             )  # fmt: skip
-            agg = dict(loss_agg_mode=self.config.loss_agg_mode, horizon=self.config.loss_horizon,
+            agg = dict(loss_agg_mode=self.loss_config.loss_agg_mode, horizon=self.loss_config.loss_horizon,
                        global_num_tokens=num_tokens, global_num_seqs=num_seqs)  # fmt: skip
             if want_entropy:
                 entropy = agg_loss(stats["entropy"], batch["response_mask"], **agg)

@@ -6,10 +6,38 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl.trainer.core_algos.guidance import BEHAVIORS, GUIDANCE_MODES, LAM_GATES, LAM_SCHEDULES
-from verl.utils.config_checks import check_choice, check_range, fail
+from verl.utils.config_checks import check_choice, check_fields, check_range, fail
 
 TEACHER_SCORING = ("overlap", "prefill")
 """How the guidance scores the draft's tokens at λ = 0 (`VLLMRollout.generate_sequences`)."""
+
+GUIDANCE_SAMPLING_FIELDS = ("temperature", "top_k", "top_p")
+"""The fields `offpolicy_guidance.sampling_overrides` may set: the guidance processes its log-probs
+(and samples, in mix mode) with these and no other (`VLLMRollout._guidance_processing`)."""
+
+VAL_OVERRIDE_FIELDS = ("n", "temperature")
+"""The fields `val_override_config` may set: validation reads these two (`RayPPOTrainer.validate`)."""
+
+
+def check_sampling_fields(
+    key: str, fields: dict[str, Any], valid: tuple[str, ...], greedy: bool = False
+) -> None:
+    """A dict of sampling overrides: fields of `valid` only, each with a valid value (temperature
+    0, greedy decoding, only where `greedy`)."""
+    check_fields(key, fields, valid, " (the fields this run applies; vLLM's other SamplingParams fields would be ignored)")  # fmt: skip
+    for name, value in fields.items():
+        if name in ("temperature", "top_p") and (
+            isinstance(value, bool) or not isinstance(value, int | float)
+        ):
+            fail(f"{key}.{name}", value, "expected a number")
+        if name == "temperature":
+            check_range(f"{key}.temperature", value, 0.0, low_open=not greedy)
+        elif name == "top_p":
+            check_range(f"{key}.top_p", value, 0.0, 1.0, low_open=True)
+        elif name == "top_k" and value != -1 and (not isinstance(value, int) or value < 1):
+            fail(f"{key}.top_k", value, "expected -1 (off) or a whole number >= 1")
+        elif name == "n" and (not isinstance(value, int) or value < 1):
+            fail(f"{key}.n", value, "expected a whole number >= 1")
 
 
 @dataclass
@@ -35,7 +63,7 @@ class OffPolicyGuidanceConfig:
     logprobs: int = 20
     """Top-K log-probs per position (K): the guidance's listed set S, over which the sampled target renormalises q (μ exact either way; the vocabulary size makes the target q_λ itself)."""
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
-    """SamplingParams fields that differ for the guidance (e.g. temperature)."""
+    """Sampling fields that differ for the guidance: temperature, top_k, top_p (GUIDANCE_SAMPLING_FIELDS)."""
     mode: str = "speculative"
     """Guidance mode: token-level speculative mixing or sequence-level mix (GUIDANCE_MODES)."""
     lam: float = 0.5
@@ -91,7 +119,9 @@ class OffPolicyGuidanceConfig:
         check_range(f"{prefix}.logprobs", self.logprobs, 1)
         check_range(f"{prefix}.num_speculative_tokens", self.num_speculative_tokens, 1)
         check_range(f"{prefix}.pipeline_groups", self.pipeline_groups, 1)
-        check_range(f"{prefix}.mix_num_samples", self.mix_num_samples, 0, rollout_n)
+        if not 0 <= self.mix_num_samples <= rollout_n:
+            fail(f"{prefix}.mix_num_samples", self.mix_num_samples,
+                 f"expected a value in [0, {rollout_n}] (worker.rollout.n = {rollout_n})")  # fmt: skip
         check_choice(f"{prefix}.lam_gate", self.lam_gate, LAM_GATES.names())
         check_range(f"{prefix}.entropy_threshold", self.entropy_threshold, 0.0, low_open=True)
         if self.entropy_percentile is not None:
@@ -100,7 +130,9 @@ class OffPolicyGuidanceConfig:
             check_range(f"{prefix}.first_step_entropy_threshold", self.first_step_entropy_threshold,
                         0.0, low_open=True)  # fmt: skip
         if self.guided_samples is not None:
-            check_range(f"{prefix}.guided_samples", self.guided_samples, 0, rollout_n)
+            if not 0 <= self.guided_samples <= rollout_n:
+                fail(f"{prefix}.guided_samples", self.guided_samples,
+                     f"expected a value in [0, {rollout_n}] (worker.rollout.n = {rollout_n}: the first m of each prompt's n responses are guided)")  # fmt: skip
             if self.mode != "speculative":
                 fail(f"{prefix}.guided_samples", self.guided_samples,
                      f"applies to mode=speculative only (mode={self.mode!r}: use mix_num_samples); set it to null")  # fmt: skip
@@ -109,6 +141,7 @@ class OffPolicyGuidanceConfig:
                  f"applies to mode=speculative only (mode={self.mode!r}); set it to none")  # fmt: skip
         if self.lam_schedule_steps is not None:
             check_range(f"{prefix}.lam_schedule_steps", self.lam_schedule_steps, 1)
+        check_sampling_fields(f"{prefix}.sampling_overrides", self.sampling_overrides, GUIDANCE_SAMPLING_FIELDS)  # fmt: skip
         if self.enable and not self.model_path:
             fail(
                 f"{prefix}.model_path",
@@ -151,8 +184,8 @@ class RolloutConfig:
     """vLLM sleep level of `free_cache_engine` (1 only: level 2 discards the weights, which then come back garbled after a sync)."""
     enable_prefix_caching: bool = True
     """Share KV cache across requests with a common prefix (speculative guidance: off, by design)."""
-    enable_chunked_prefill: bool = False
-    """Chunk long prefills."""
+    enable_chunked_prefill: bool = True
+    """vLLM's enable_chunked_prefill for both engines: a prefill longer than max_num_batched_tokens is split over engine steps (vLLM 0.32's default for these models); False turns it off, which vLLM warns decoder models do not officially support."""
     max_num_batched_tokens: int = 8192
     """Token budget of one engine step."""
     max_num_seqs: int = 1024
@@ -160,9 +193,9 @@ class RolloutConfig:
     kv_block_size: int | None = None
     """KV-cache block size (None: engine default; CPU needs a multiple of 32)."""
     disable_tqdm: bool = True
-    """Hide vLLM's progress bars."""
+    """False: vLLM's progress bar on the draft engine's whole-response generate calls (no guidance, validation, mix mode's draft share, λ = 0 prefill scoring); speculative rounds and the guidance engine show none."""
     val_override_config: dict[str, Any] = field(default_factory=dict)
-    """Sampling fields that differ during validation (e.g. {temperature: 0, n: 1})."""
+    """Sampling fields that differ during validation: n, temperature (VAL_OVERRIDE_FIELDS; e.g. {temperature: 0, n: 1})."""
     offpolicy_guidance: OffPolicyGuidanceConfig = field(default_factory=OffPolicyGuidanceConfig)
     """The guidance engine and its mixing rule."""
     prompt_length: int = -1
@@ -201,6 +234,8 @@ class RolloutConfig:
                 self.kv_block_size,
                 "expected a positive multiple of 16 (32 on CPU)",
             )
+        check_sampling_fields(f"{prefix}.val_override_config", self.val_override_config,
+                              VAL_OVERRIDE_FIELDS, greedy=True)  # fmt: skip
         self.offpolicy_guidance.validate(f"{prefix}.offpolicy_guidance", self.n)
         shared = self.offpolicy_guidance.num_replicas
         if self.num_replicas is not None and shared is not None and shared > self.num_replicas:

@@ -121,7 +121,8 @@ def engine_args(model_path: str, config: RolloutConfig) -> tuple[dict, dict | No
     speculative = guidance.enable and guidance.mode == "speculative"
     common = dict(max_model_len=max_len, enable_prefix_caching=config.enable_prefix_caching and not speculative,
                   seed=config.seed, max_num_batched_tokens=max(config.max_num_batched_tokens, max_len),
-                  max_num_seqs=config.max_num_seqs, async_scheduling=False)  # fmt: skip
+                  max_num_seqs=config.max_num_seqs, async_scheduling=False,
+                  enable_chunked_prefill=config.enable_chunked_prefill)  # fmt: skip
     if config.kv_block_size is not None:
         common["block_size"] = config.kv_block_size
     if sleeps(config):
@@ -476,7 +477,9 @@ class VLLMRollout:
         """Whole responses from the draft engine, one seed per prompt."""
         params = [self._draft_params(self._max_tokens, 1, int(s)) for s in seeds]
         outputs = self.engines.draft.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+            [{"prompt_token_ids": p} for p in prompts],
+            params,
+            use_tqdm=not self.config.disable_tqdm,
         )
         return [_whole_response(*sampled_log_probs(out.outputs[0]), False) for out in outputs]
 
