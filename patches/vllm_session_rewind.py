@@ -2,7 +2,7 @@
 
 Why: speculative guidance scores every round's draft proposals with the guidance model's
 `prompt_logprobs`. As fresh requests, each round re-computes the whole prefix (O(L²); vLLM's
-prefix cache is per whole block and `prompt_logprobs` requests bypass it, DESIGN.md §6). vLLM
+prefix cache is per whole block and `prompt_logprobs` requests bypass it). vLLM
 already has resumable ("streaming input") requests that keep their KV cache between chunks, but
 (1) a chunk can only *append* tokens, while a rejected proposal must be taken back, and (2) the
 model runner computes prompt log-probs only for a request's first chunk.

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "README_guidance.md", "benchmarks/README.md"]
+DOCS = ["README.md", "README_guidance.md", "benchmarks/README.md", "docs/design.md"]
 
 
 def slug(heading: str) -> str:

@@ -1,4 +1,4 @@
-"""DataProto: the batch that flows between driver and workers (DESIGN.md §2).
+"""DataProto: the batch that flows between driver and workers (docs/design.md#one-training-step).
 
 A `TensorDict` of tensors sharing the leading batch dimension, a dict of numpy object arrays of
 the same length (uids, raw prompts, ground truths), and a free-form `meta_info` dict. Every

@@ -108,7 +108,11 @@ def test_algorithm_table_lists_every_registered_name():
     table = docs.algorithm_table()
     for key, registry in docs.REGISTRIES:
         for name in registry:
-            assert f"| `{key}` | `{name}` |" in table
+            aliases = "".join(f" (alias `{a}`)" for a in registry.aliases(name))
+            assert f"| `{key}` | `{name}`{aliases} |" in table
+    # the aliases the errors list are in the table too (otb, tir_otb, vanilla)
+    for alias in ("`otb`", "`tir_otb`", "`vanilla`"):
+        assert f"(alias {alias})" in table
     # the formula is the docstring's first paragraph, the paper its links, trailing dots dropped
     assert "| `algorithm.adv_estimator` | `rloo` | RLOO: A_i = R_i" in table
     assert "<https://arxiv.org/abs/2402.14740>" in table

@@ -58,3 +58,28 @@ def test_core_algorithms_emit_only_documented_names():
     assert emitted
     undocumented = [k for k in emitted if k not in M.ALL_FIXED]
     assert not undocumented, undocumented
+
+
+def test_every_metric_name_written_in_the_package_is_in_the_reference():
+    """Any string literal of the package that names a metric of a documented namespace (a metric
+    some code logs) is a constant of metric_names and has a reference entry: nothing the trainer
+    can log is missing from README_guidance's reference or the dashboard."""
+    import ast
+    import re
+    from pathlib import Path
+
+    from verl.utils.metric_reference import METRIC_DOCS
+
+    root = Path(M.__file__).resolve().parents[1]
+    spaces = "|".join(re.escape(ns) for ns in M.NAMESPACES)
+    name = re.compile(rf"^({spaces})/[\w/<>]*[\w>]$")
+    unknown = []
+    for path in root.rglob("*.py"):
+        if path.name in ("metric_names.py", "metric_reference.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            text = node.value if isinstance(node, ast.Constant) else None
+            if isinstance(text, str) and name.match(text) and not M.is_known(text):
+                unknown.append(f"{path.relative_to(root)}:{node.lineno}: {text}")
+    assert not unknown, "metric names missing from verl/utils/metric_names.py:\n" + "\n".join(unknown)
+    assert set(M.ALL_FIXED) <= set(METRIC_DOCS), sorted(set(M.ALL_FIXED) - set(METRIC_DOCS))

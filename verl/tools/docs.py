@@ -122,7 +122,8 @@ def algorithm_table() -> str:
             doc = inspect.getdoc(registry.get(name)) or ""
             first = doc.split("\n\n")[0].replace("\n", " ")
             formula = first.split(" Paper:")[0].split(" Ref:")[0].strip()
-            lines.append(f"| `{key}` | `{name}` | {_cell(formula)} | {_paper_links(doc)} |")
+            aliases = "".join(f" (alias `{a}`)" for a in registry.aliases(name))
+            lines.append(f"| `{key}` | `{name}`{aliases} | {_cell(formula)} | {_paper_links(doc)} |")
     return "\n".join(lines)
 
 

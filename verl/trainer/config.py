@@ -97,7 +97,7 @@ class DistillConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """Advantages, KL and the off-policy corrections (DESIGN.md §4)."""
+    """Advantages, KL and the off-policy corrections (docs/design.md#guidance-math)."""
 
     adv_estimator: str = "grpo"
     """Advantage estimator, a name of the estimator registry."""

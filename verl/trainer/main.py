@@ -1,4 +1,4 @@
-"""Command line (EasyR1 style): `python3 -m verl.trainer.main config=examples/x.yaml key=value ...`
+"""Command line (EasyR1 style): `python3 -m verl.trainer.main config=examples/grpo_guided.yaml key=value ...`
 
 Everything a user can get wrong is checked before Ray starts: the config (one-line errors),
 the models (hub ids resolved to local folders, `verl.utils.model_path`), the guidance

@@ -1,4 +1,4 @@
-"""The PPO/GRPO trainer: one driver process over Ray workers, one step = DESIGN.md §2.
+"""The PPO/GRPO trainer: one driver process over Ray workers, one step = docs/design.md#one-training-step.
 
     rollout (draft + guidance)  ->  reward (async)  ->  old log-probs (+ Σπ²)  ->  ref log-probs
     ->  off-policy corrections (behavior, IS weights, masks, guidance/* and mismatch/* metrics)
@@ -320,7 +320,7 @@ class RayPPOTrainer:
             metrics[M.GUIDANCE_SUBSET_UNGUIDED_SCORE] = scores[~guided].mean().item()
 
     def train_step(self, batch: DataProto) -> dict[str, float]:
-        """One step of DESIGN.md §2 on a batch of prompts; returns its metrics."""
+        """One step (docs/design.md#one-training-step) on a batch of prompts; returns its metrics."""
         metrics: dict[str, float] = {}
         start = time.perf_counter()
         self.seen_indices.append(batch.non_tensor_batch["index"].tolist())

@@ -9,7 +9,7 @@ fixed step number, so every machine builds models of the same strength (within
 rounding moves the curve.
 
 - `arithmetic` (the demo's): `a+b=` with the sum's digits reversed (`12+79=` -> `19`, since 91
-  reversed is 19); responses of 1-3 digits. DESIGN.md §6: with reversed digits a 4-layer
+  reversed is 19); responses of 1-3 digits. With reversed digits a 4-layer
   width-256 model passes ~86 % after 500 steps on two cores; in the usual order it stays near 6 %.
 - `runsum` (the evidence's, long horizon): 20 digits and their running sums modulo 10
   (`7394=` -> `7093`): a response is 20 steps, each adding the next digit to the previous step's

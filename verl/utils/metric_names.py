@@ -1,4 +1,4 @@
-"""The one list of logged metric names (DESIGN.md §5).
+"""The one list of logged metric names (docs/design.md#where-each-metric-comes-from).
 
 Trainer, algorithm core, docs tooling and dashboards import these constants, so code, docs and
 panels cannot drift apart. Names are stable: dashboards and tests depend on them.
@@ -91,6 +91,8 @@ ACTOR_GRAD_NORM = "actor/grad_norm"
 ACTOR_LR = "actor/lr"
 ACTOR_ENTROPY = "actor/entropy"
 ACTOR_KL_LOSS = "actor/kl_loss"
+ACTOR_REWARD_KL_PENALTY = "actor/reward_kl_penalty"
+ACTOR_REWARD_KL_COEF = "actor/reward_kl_coef"
 ACTOR_DISTILL_LOSS = "actor/distill_loss"
 ACTOR_OPSM_MASKED_SEQ_FRAC = "actor/opsm_masked_seq_frac"
 ACTOR_SKIPPED_STEPS = "actor/skipped_steps"
@@ -126,6 +128,7 @@ TIMING_SYNC_WEIGHTS = "timing_s/sync_weights"
 # val/*: the draft alone on the validation set (greedy unless val_override_config says otherwise).
 VAL_REWARD_SCORE = "val/reward_score"
 VAL_RESPONSE_LENGTH = "val/response_length"
+VAL_GENERATIONS = "val/generations"  # a wandb table (file logger: <run>/val_generations.jsonl)
 
 # Families whose last part is a reward component returned by the reward function (e.g. accuracy).
 FAMILIES = ("critic/score/<component>", "val/score/<component>")

@@ -39,7 +39,7 @@ _DOCS = (
     MetricDoc(M.GUIDANCE_LAMBDA, _G, "λ of this step's rollout (the schedule's value; 0 for a teacher-only rollout).",
               "Follows `lam` → `lam_end`."),
     MetricDoc(M.GUIDANCE_OFFPOLICY_TOKEN_RATIO, _G, "Share of response tokens the guidance emitted (provenance: a rejected proposal's residual draw, or a bonus token from q_λ); mix mode: share of tokens in guidance-written responses.",
-              "Grows with λ and with the draft–guidance disagreement; at fixed λ it should fall as the draft learns (5 % on the demo, λ 0.5 → 0.1)."),
+              "Grows with λ and with the draft–guidance disagreement; at fixed λ it should fall as the draft learns (6.2 % on the demo, λ 0.5 → 0.1)."),
     MetricDoc(M.GUIDANCE_OFFPOLICY_SEQ_RATIO, _G, "Share of responses with at least one guidance token.",
               "Between the token ratio and 1; near 1 means almost every response is a blend."),
     MetricDoc(M.GUIDANCE_ACCEPT_RATE, _G, "Speculative mode: accepted / proposed draft tokens. Its expectation is 1 − λ·TV(p, q), since q_λ − p = λ(q − p).",
@@ -154,6 +154,8 @@ _DOCS = (
     MetricDoc(M.ACTOR_LR, _A, "Learning rate of the step.", "Follows the warm-up/decay schedule."),
     MetricDoc(M.ACTOR_ENTROPY, _A, "Mean token entropy of π_θ (when `entropy_coeff` > 0).", "Falls slowly; a collapse to 0 stops exploration."),
     MetricDoc(M.ACTOR_KL_LOSS, _A, "KL(π_θ ‖ π_ref) loss term (`use_kl_loss`).", "Small and slowly growing."),
+    MetricDoc(M.ACTOR_REWARD_KL_PENALTY, _A, "KL in the reward (`algorithm.use_kl_loss: false`): the batch's mean per-response Σ_t KL(π_old ‖ π_ref) estimate, before the coefficient.", "Small and slowly growing; a jump means the policy left the reference fast."),
+    MetricDoc(M.ACTOR_REWARD_KL_COEF, _A, "β of the KL in the reward (`algorithm.kl_coef`).", "Constant (no adaptive controller)."),
     MetricDoc(M.ACTOR_SKIPPED_STEPS, _A, "Optimizer steps skipped because the gradient was not finite.", "0."),
     # ---------------------------------------------------------------- Rewards
     MetricDoc(M.CRITIC_SCORE_MEAN, _R, "Mean outcome reward of the batch's responses (guided ones included).", "Rises."),
@@ -170,6 +172,7 @@ _DOCS = (
     MetricDoc(M.VAL_REWARD_SCORE, _R, "Mean reward of the draft alone on the validation set (no guidance).", "Rises: the number guidance must improve."),
     MetricDoc(M.VAL_RESPONSE_LENGTH, _R, "Mean validation response length.", "—"),
     MetricDoc("val/score/<component>", _R, "Validation mean of one reward component.", "—"),
+    MetricDoc(M.VAL_GENERATIONS, _R, "wandb table of validation samples (`trainer.val_generations_to_log`): prompt, response, ground truth, score, step; the file logger writes them to `<run>/val_generations.jsonl`.", "Read the responses: a rising score with degenerate text is reward hacking."),
     # ---------------------------------------------------------------- Timing
     MetricDoc(M.TIMING_GEN, _T, "Rollout: draft (and guidance) generation.", "The largest stage."),
     MetricDoc(M.TIMING_OLD_LOG_PROB, _T, "Actor forward for π_old (and Σπ²).", "—"),

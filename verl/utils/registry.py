@@ -52,6 +52,10 @@ class Registry(Generic[F]):
             keys += list(self._aliases)
         return sorted(keys)
 
+    def aliases(self, name: str) -> list[str]:
+        """The sorted alias names of the registered `name`."""
+        return sorted(alias for alias, target in self._aliases.items() if target == name)
+
     def __contains__(self, name: object) -> bool:
         return name in self._table or name in self._aliases
 

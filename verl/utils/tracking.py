@@ -11,12 +11,14 @@ import math
 import os
 from typing import Any
 
+from verl.utils import metric_names as M
+
 LOGGERS = ("console", "file", "wandb", "tensorboard")
 GENERATIONS_FILE = "val_generations.jsonl"
 """The file logger's validation samples: one JSON object per sample, with its step."""
 GENERATION_COLUMNS = ("step", "prompt", "response", "ground_truth", "score")
 """The fields of a logged validation sample (besides the step, what `log_generations` takes)."""
-GENERATIONS_TABLE = "val/generations"
+GENERATIONS_TABLE = M.VAL_GENERATIONS
 """The wandb table of validation samples."""
 
 

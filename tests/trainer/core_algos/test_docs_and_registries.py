@@ -1,4 +1,4 @@
-"""Every algorithm of DESIGN.md §4 is findable by registry name with a formula, shapes and a paper link."""
+"""Every algorithm of the core (docs/design.md#architecture-and-the-dependency-rule) is findable by registry name with a formula, shapes and a paper link."""
 
 from __future__ import annotations
 

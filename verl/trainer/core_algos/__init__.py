@@ -1,4 +1,4 @@
-"""The algorithm core (DESIGN.md §4): pure tensor functions on (B, T) tensors in registries.
+"""The algorithm core (docs/design.md#architecture-and-the-dependency-rule): pure tensor functions on (B, T) tensors in registries.
 
 Look algorithms up by name: `get_adv_estimator_fn`, `get_policy_loss_fn`, `KL_ESTIMATORS`,
 `LOSS_AGG_MODES`, `RATIO_LEVELS`, `GUIDANCE_MODES`, `BEHAVIORS`, `LAM_SCHEDULES`, `DISTILL_MODES`.

@@ -1,6 +1,6 @@
 """Guidance math shared by rollout and trainer: behavior log-probs, λ schedules, guidance metrics.
 
-Notation (DESIGN.md §3): p the draft's processed next-token distribution, q the guidance's, λ the
+Notation (docs/design.md#guidance-math): p the draft's processed next-token distribution, q the guidance's, λ the
 guidance strength; speculative mode emits tokens from q_λ = (1-λ)·p + λ·q exactly.
 """
 

@@ -70,8 +70,8 @@ def apply_kl_penalty(
     rewards = token_level_scores - kl_coef * kl
     seq_kl = kl.sum(dim=-1)
     return rewards, {
-        "actor/reward_kl_penalty": seq_kl.mean().item(),
-        "actor/reward_kl_coef": kl_coef,
+        M.ACTOR_REWARD_KL_PENALTY: seq_kl.mean().item(),
+        M.ACTOR_REWARD_KL_COEF: kl_coef,
     }
 
 
