@@ -9,8 +9,6 @@ components, logged as `critic/score/<name>`. The score lands on the last respons
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -18,6 +16,7 @@ import torch
 
 from verl.protocol import DataProto
 from verl.utils.registry import Registry
+from verl.utils.user_functions import load_function
 from verl.workers.reward.config import RewardConfig
 
 REWARD_FUNCTIONS = Registry("reward function")
@@ -66,19 +65,7 @@ def load_reward_function(spec: str | None) -> Callable:
             f"worker.reward.reward_function is not set; valid: {', '.join(REWARD_FUNCTIONS.names())} "
             "or path/to/file.py:function_name"
         )
-    if ":" not in spec or not spec.split(":", 1)[0].endswith(".py"):
-        return REWARD_FUNCTIONS.get(spec)
-    path, name = spec.rsplit(":", 1)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"worker.reward.reward_function: file {path!r} not found")
-    module_spec = importlib.util.spec_from_file_location(f"user_reward_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    if not callable(getattr(module, name, None)):
-        raise AttributeError(
-            f"worker.reward.reward_function: {path!r} defines no function {name!r}"
-        )
-    return getattr(module, name)
+    return load_function(spec, REWARD_FUNCTIONS, "worker.reward.reward_function")
 
 
 class RewardError(RuntimeError):

@@ -1,0 +1,111 @@
+"""MultiTurnRuntime (verl/workers/rollout/multi_turn/runtime.py): the engine-free half of the
+turn loop on scripted turns, an embedded episode packed end to end, and the hermes format on the
+real SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from verl.utils.tiny_lm import build_char_tokenizer
+from verl.workers.rollout.multi_turn import (
+    MultiTurnConfig,
+    MultiTurnRuntime,
+    Trajectory,
+    get_format,
+    pack,
+    tool_delta_ids,
+)
+
+EMBEDDED = MultiTurnConfig(enable=True, tools=["lookup", "calculator"], tool_call_format="embedded",
+                           max_turns=3, max_tool_response_length=6)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def char():
+    return build_char_tokenizer()
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_one_step_over_a_batch_of_turns(char):
+    runtime = MultiTurnRuntime(EMBEDDED, char, use_chat_template=False)
+    assert runtime.stop_strings == ["]"]
+    texts = ["[lookup:k07]", "75", "[lookup:k07]", "[lookup]", "[calculator:999*999]",
+             "[calculator:9999*999]", "[lookup:k01"]  # fmt: skip
+    reasons = ["tool_call", "eos", "tool_call", "tool_call", "tool_call", "tool_call", "length"]
+    outcomes = runtime.step(texts, reasons, turns_done=[1, 2, 3, 1, 1, 2, 1])
+    assert [o.continues for o in outcomes] == [True, False, False, True, True, True, False]
+    assert [o.malformed for o in outcomes] == [False, False, False, True, False, False, True]
+    assert [[r.status for r in o.results] for o in outcomes] == [
+        ["ok"], [], [], ["malformed"], ["ok"], ["ok"], []]  # fmt: skip
+    # outcome 2: the call of the last allowed turn is read but not run
+    assert outcomes[2].calls[0].name == "lookup" and outcomes[2].delta is None
+    deltas = [decode(char, o.delta.ids) if o.delta else None for o in outcomes]
+    # 6 tokens (characters) of a result at most: "error: malformed ..." -> "error:",
+    # 9999*999 = 9989001 -> "998900"
+    assert deltas == ["=70\n", None, None, "=error:\n", "=998001\n", "=998900\n", None]
+    assert [o.delta.truncated for o in outcomes if o.delta] == [[False], [True], [False], [True]]
+    with pytest.raises(
+        ValueError, match="finish reason 'stop' is not valid; valid: tool_call, eos, length"
+    ):
+        runtime.step(["x"], ["stop"], [1])
+
+
+def test_an_embedded_episode_packs_by_hand(char):
+    """k07+5=  [lookup:k07] =70\\n  [calculator:70+5] =75\\n  75<eos>: three turns, two calls."""
+    runtime = MultiTurnRuntime(EMBEDDED, char, use_chat_template=False)
+    encode = lambda text: char(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    trajectory = Trajectory(encode("k07+5="))
+    turns = [("[lookup:k07]", "tool_call"), ("[calculator:70+5]", "tool_call"), ("75", "eos")]
+    for done, (text, reason) in enumerate(turns, start=1):
+        ids = encode(text) + ([char.eos_token_id] if reason == "eos" else [])
+        trajectory.add_turn(ids, lp=[-float(done)] * len(ids))
+        (outcome,) = runtime.step([text], [reason], [done])
+        outcome.append_to(trajectory)
+        assert outcome.continues == (reason == "tool_call")
+    out = pack([trajectory], response_length=40, pad_id=char.pad_token_id)
+    assert decode(char, trajectory.context_ids()) == (
+        "k07+5=[lookup:k07]=70\n[calculator:70+5]=75\n75<|im_end|>")  # fmt: skip
+    # lengths: [lookup:k07] 12, =70\n 4, [calculator:70+5] 17, =75\n 4, 75<eos> 3 = 40
+    assert out["response_mask"][0].tolist() == [1] * 12 + [0] * 4 + [1] * 17 + [0] * 4 + [1] * 3
+    assert out["turn_index"][0].tolist() == [0] * 16 + [1] * 21 + [2] * 3
+    assert out["lp"][0].tolist() == [-1.0] * 12 + [0] * 4 + [-2.0] * 17 + [0] * 4 + [-3.0] * 3
+    assert out["truncated"].tolist() == [False] and out["num_turns"].tolist() == [3]
+    assert (out["num_tool_calls"].tolist(), out["num_tool_errors"].tolist()) == ([2], [0])
+
+
+def test_the_calls_of_a_whole_batch_run_together(char, tmp_path):
+    """Two episodes whose calls each wait for the other's: both finish only when `step` runs the
+    batch's calls at the same time."""
+    (tmp_path / "meet.py").write_text(
+        "import threading\nBARRIER = threading.Barrier(2, timeout=60)\n\n\n"
+        'def meet(name: str) -> str:\n    """Wait for the other call."""\n'
+        "    BARRIER.wait()\n    return name\n"
+    )
+    config = MultiTurnConfig(enable=True, tools=[f"{tmp_path / 'meet.py'}:meet"],
+                             tool_call_format="embedded", max_parallel_tools=2)  # fmt: skip
+    runtime = MultiTurnRuntime(config, char, use_chat_template=False)
+    outcomes = runtime.step(["[meet:a]", "[meet:b]"], ["tool_call"] * 2, [1, 1])
+    assert [(o.results[0].status, o.results[0].text) for o in outcomes] == [
+        ("ok", "a"),
+        ("ok", "b"),
+    ]
+
+
+def test_hermes_on_the_smollm2_template(real_pair):
+    from transformers import AutoTokenizer
+
+    smol = AutoTokenizer.from_pretrained(real_pair.guidance)
+    config = MultiTurnConfig(enable=True, tools=["lookup", "calculator"])
+    runtime = MultiTurnRuntime(config, smol)
+    assert runtime.stop_strings == ["</tool_call>"]
+    instructions = runtime.instructions()
+    assert '"name": "lookup"' in instructions and '"name": "calculator"' in instructions
+    call = get_format("hermes").render_call("calculator", {"expression": "(12+79)//7"})
+    (outcome,) = runtime.step([f"Let me compute. {call}"], ["tool_call"], [1])
+    assert outcome.continues and outcome.results[0].text == "13"
+    assert outcome.delta.ids == tool_delta_ids(smol, ["13"]).ids
+    assert decode(smol, outcome.delta.ids) == (
+        "<|im_end|>\n<|im_start|>tool\n13<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip

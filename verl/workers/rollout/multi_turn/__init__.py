@@ -1,0 +1,104 @@
+"""Multi-turn, tool-using rollouts: the pure foundation (no engine, no Ray).
+
+Design: token-in/token-out. An episode's tokens are the prompt's ids, each policy turn's ids
+exactly as sampled, and after each turn that called tools the *delta* of the tool messages
+(`deltas.py`: rendered on a fixed dummy history, never on the real one). History is never
+re-rendered, so every policy token keeps the exact context, log-prob and μ it was sampled with;
+`deltas.retokenization_mismatch` only measures how far a re-rendering would drift.
+
+Modules: `config` (MultiTurnConfig), `tools` (TOOLS, describe_tool, run_tool_calls), `parsing`
+(TOOL_CALL_FORMATS: hermes, embedded; stop strings), `deltas` (tool_delta_ids), `trajectory`
+(Trajectory, pack), `runtime` (MultiTurnRuntime: the engine-free half of the loop).
+
+The turn loop on the engines (to wire into the split rollout)
+-------------------------------------------------------------
+For a batch of episodes, each with one session per engine (draft, and guidance when enabled):
+
+1. Generate one turn for every active episode with the format's stop strings
+   (`runtime.stop_strings`, kept in the output) and EOS, at most `response_length - used`
+   tokens. Guided speculative rounds run unchanged inside a turn; the rollout checks the decoded
+   *emitted* tokens for a stop string after each round and cuts the turn at the token completing
+   it. The tokens dropped after it were never part of the episode: the cut is a stopping time (a
+   function of the prefix), so the kept tokens' μ is unchanged. Mix mode: the guidance is the
+   sampler of its episodes, turn by turn, the same way.
+2. Record the turn: `trajectory.add_turn(ids, rollout_log_probs=..., behavior_log_probs=...,
+   offpolicy_mask=..., ...)`, one value per sampled token; μ stays exact per policy token.
+3. `runtime.step(texts, finish_reasons, turns_done)`: parse every turn; the calls of all
+   episodes that continue (ended at a stop string, made a call, turns left) run concurrently in
+   threads (`max_parallel_tools`, `tool_timeout_s`; never raising: errors, timeouts, unknown
+   tools and malformed calls become error texts the policy reads, with a status for the
+   metrics); each continuing episode gets its delta (`outcome.append_to(trajectory)`).
+4. Append the delta as *prompt* tokens to the episode's sessions on both engines (resume the
+   session with prompt + response so far + delta): nothing is sampled there, no log-probs or μ
+   are needed for them, and the guidance's next rounds see exactly the tokens the draft sees
+   (same tokenizer, same ids). Per-position λ_t and the entropy gate stay functions of the
+   prefix, tool tokens included, so the mixture stays exact.
+5. Stop when no episode continues, or a delta would not fit `response_length` (that episode
+   ends truncated). Then `pack(trajectories, response_length, pad_id)` gives the (B, T) tensors.
+
+What response_mask 0 means (tool tokens and padding)
+----------------------------------------------------
+A tool token is context, never a prediction of the policy: it has response_mask 0, tool_mask 1
+and response_attention_mask 1. It enters no loss (policy, entropy, KL, distillation), no
+advantage or baseline (GRPO/RLOO broadcast, OTB with compact positions), no importance weight,
+TIS/MIS/geometric/OPSM mask, no guidance metric and no mismatch metric. It is attended to: the
+actor's forward uses the attention mask over prompt + all response tokens, and asks the LM head
+only for the rows predicting response_mask-1 tokens (holes are fine).
+Code that reads `response_mask.sum(-1)` as the response *length* must read
+`response_attention_mask` instead once multi-turn is on: `FunctionRewardManager._inputs` (decode)
+and `compute` (score position: the last token with response_mask 1, the final turn's EOS, or the
+score would land on a masked token and be lost), `RayPPOTrainer._val_samples` and
+`val/response_length`, `trainer/metrics.compute_data_metrics` (`response_length/*`, clip ratio).
+
+Wiring left to do
+-----------------
+- `RolloutConfig.multi_turn: MultiTurnConfig`, validated by
+  `multi_turn.validate(f"{prefix}.multi_turn")`.
+- `main.check_inputs`: `load_tools(config.worker.rollout.multi_turn.tools)` (imports the files),
+  errors made one-line as `resolve_rewards` does; `load_reward_function` can delegate to
+  `verl.utils.user_functions.load_function(spec, REWARD_FUNCTIONS, "worker.reward.reward_function")`
+  (same errors, tested).
+- The prompts: `runtime.instructions()` as a system message (or `tools=` of
+  `apply_chat_template` where the template renders tools itself, e.g. Qwen2.5).
+- Metric names (`verl/utils/metric_names.py`) for pack's counts and the tool statuses
+  (`tools.TOOL_STATUSES`), and the tool-delta truncations.
+"""
+
+from verl.workers.rollout.multi_turn.config import MultiTurnConfig
+from verl.workers.rollout.multi_turn.deltas import (
+    ToolDelta,
+    retokenization_mismatch,
+    tool_delta_ids,
+)
+from verl.workers.rollout.multi_turn.parsing import TOOL_CALL_FORMATS, ToolCall, get_format
+from verl.workers.rollout.multi_turn.runtime import MultiTurnRuntime, TurnOutcome
+from verl.workers.rollout.multi_turn.tools import (
+    TOOLS,
+    Tool,
+    ToolResult,
+    describe_tool,
+    load_tools,
+    run_tool_calls,
+)
+from verl.workers.rollout.multi_turn.trajectory import Segment, Trajectory, pack
+
+__all__ = [
+    "TOOLS",
+    "TOOL_CALL_FORMATS",
+    "MultiTurnConfig",
+    "MultiTurnRuntime",
+    "Segment",
+    "Tool",
+    "ToolCall",
+    "ToolDelta",
+    "ToolResult",
+    "Trajectory",
+    "TurnOutcome",
+    "describe_tool",
+    "get_format",
+    "load_tools",
+    "pack",
+    "retokenization_mismatch",
+    "run_tool_calls",
+    "tool_delta_ids",
+]

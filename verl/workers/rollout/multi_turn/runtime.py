@@ -1,0 +1,108 @@
+"""The engine-free half of the turn loop: between two generation calls, read every finished
+turn's calls, run those of the whole batch concurrently, and give each episode its delta.
+
+    runtime = MultiTurnRuntime(config, tokenizer, use_chat_template)
+    sampling stop strings: runtime.stop_strings (kept in the output)
+    loop:  generate a turn for every active episode
+           outcomes = runtime.step(texts, finish_reasons, turns_done)
+           for each: trajectory.add_turn(ids, ...); outcome.append_to(trajectory)
+                     if outcome.continues: append outcome.delta.ids to the episode's sessions
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from verl.workers.rollout.multi_turn.config import MultiTurnConfig
+from verl.workers.rollout.multi_turn.deltas import ToolDelta, tool_delta_ids
+from verl.workers.rollout.multi_turn.parsing import ToolCall, get_format
+from verl.workers.rollout.multi_turn.tools import ToolResult, load_tools, run_tool_calls
+from verl.workers.rollout.multi_turn.trajectory import Trajectory
+
+FINISH_REASONS = ("tool_call", "eos", "length")
+"""Why a turn ended: at a format's stop string (vLLM: finish_reason 'stop' with the string as
+stop_reason), at EOS (finish_reason 'stop', stop_reason None or the eos id) or at the length
+limit. Only a turn ended at a stop string is answered."""
+
+
+@dataclass(frozen=True)
+class TurnOutcome:
+    """What follows one policy turn."""
+
+    continues: bool
+    """The episode goes on: `delta` is appended and the policy generates another turn."""
+    calls: list[ToolCall] = field(default_factory=list)
+    """The calls read from the turn (also when they are not run)."""
+    malformed: bool = False
+    """Some call of the turn could not be read."""
+    results: list[ToolResult] = field(default_factory=list)
+    """One per call when the turn is answered, else empty."""
+    delta: ToolDelta | None = None
+    """The tokens appended when the episode continues."""
+
+    def append_to(self, trajectory: Trajectory) -> None:
+        """Add the delta and the calls' outcomes to `trajectory` (nothing when it ends)."""
+        if self.delta is not None:
+            trajectory.add_tool(
+                self.delta.ids, [r.status for r in self.results], self.delta.truncated
+            )
+
+
+class MultiTurnRuntime:
+    """The tools, the call format and the delta rule of one rollout (`MultiTurnConfig`)."""
+
+    def __init__(self, config: MultiTurnConfig, tokenizer, use_chat_template: bool | None = None):
+        """`use_chat_template`: deltas through the tokenizer's chat template (the prompts were
+        rendered with it: `data.apply_chat_template`), else plain (None: when it has one)."""
+        self.tokenizer, self.use_chat_template = tokenizer, use_chat_template
+        self.format = get_format(config.tool_call_format)
+        self.tools = load_tools(config.tools)
+        self.max_turns = config.max_turns
+        self.max_tool_response_length = config.max_tool_response_length
+        self.tool_timeout_s = config.tool_timeout_s
+        self.max_parallel_tools = config.max_parallel_tools
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """Where the engine stops a turn (with `include_stop_str_in_output`)."""
+        return list(self.format.stop_strings)
+
+    def instructions(self) -> str:
+        """System-prompt text describing the tools and how to call them."""
+        return self.format.instructions([tool.schema() for tool in self.tools.values()])
+
+    def step(
+        self, texts: Sequence[str], finish_reasons: Sequence[str], turns_done: Sequence[int]
+    ) -> list[TurnOutcome]:
+        """One outcome per episode whose turn just ended: `texts` its decoded text,
+        `finish_reasons` (FINISH_REASONS) why it ended, `turns_done` its policy turns so far,
+        this one included. An episode continues when its turn ended at a stop string, made at
+        least one call and `turns_done < max_turns`. The calls of every continuing episode run
+        together (`run_tool_calls`)."""
+        for reason in finish_reasons:
+            if reason not in FINISH_REASONS:
+                raise ValueError(
+                    f"finish reason {reason!r} is not valid; valid: {', '.join(FINISH_REASONS)}"
+                )
+        parsed = [self.format.parse(text) for text in texts]
+        ends = zip(parsed, finish_reasons, turns_done, strict=True)
+        answered = [reason == "tool_call" and bool(calls) and done < self.max_turns
+                    for (calls, _), reason, done in ends]  # fmt: skip
+        batch = [
+            call for (calls, _), go in zip(parsed, answered, strict=True) if go for call in calls
+        ]
+        results = iter(
+            run_tool_calls(batch, self.tools, self.tool_timeout_s, self.max_parallel_tools)
+        )
+        outcomes = []
+        for (calls, malformed), go in zip(parsed, answered, strict=True):
+            if not go:
+                outcomes.append(TurnOutcome(False, calls, malformed))
+                continue
+            mine = [next(results) for _ in calls]
+            texts = [r.text for r in mine]
+            limit = self.max_tool_response_length
+            delta = tool_delta_ids(self.tokenizer, texts, limit, self.use_chat_template)
+            outcomes.append(TurnOutcome(True, calls, malformed, mine, delta))
+        return outcomes

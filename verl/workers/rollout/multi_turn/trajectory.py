@@ -1,0 +1,173 @@
+"""A multi-turn episode as segments of tokens, and the batch tensors it packs into.
+
+A `Trajectory` is the prompt's ids and, after them, segments in order: a policy turn (the ids
+exactly as sampled, with per-token slots such as the rollout's log-probs, the behavior log-probs
+μ and the provenance mask) and, after a turn that called tools, the tool delta (`deltas.py`).
+`pack` lays a batch of them out in the rollout's (B, T) layout, right-padded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+POLICY, TOOL = "policy", "tool"
+SEGMENT_KINDS = (POLICY, TOOL)
+"""A segment's kind: sampled by the policy (trained on), or appended tool output (context only)."""
+
+
+@dataclass
+class Segment:
+    """Consecutive tokens of one kind."""
+
+    ids: list[int]
+    """Token ids, as sampled (policy) or as rendered (tool)."""
+    kind: str
+    """One of SEGMENT_KINDS."""
+    slots: dict[str, list[float]] = field(default_factory=dict)
+    """Policy segments: name -> one value per token (log-probs, μ, provenance, ...)."""
+
+
+@dataclass
+class Trajectory:
+    """One episode: prompt ids, then policy turns and tool deltas, and its tool outcomes."""
+
+    prompt_ids: list[int]
+    """The prompt's ids (before the first policy turn)."""
+    segments: list[Segment] = field(default_factory=list)
+    """The response: policy turns and tool deltas, in order."""
+    tool_statuses: list[str] = field(default_factory=list)
+    """Status of every tool call run for this episode (`tools.TOOL_STATUSES`)."""
+    tool_truncated: int = 0
+    """Tool results cut to `max_tool_response_length`."""
+
+    def add_turn(self, ids: Sequence[int], **slots: Sequence[float]) -> None:
+        """Append a policy turn; each slot has one value per token."""
+        for name, values in slots.items():
+            if len(values) != len(ids):
+                raise ValueError(f"slot {name!r} has {len(values)} values for {len(ids)} tokens")
+        self.segments.append(
+            Segment(list(ids), POLICY, {k: [float(v) for v in vs] for k, vs in slots.items()})
+        )
+
+    def add_tool(self, ids: Sequence[int], statuses: Iterable[str] = (),
+                 truncated: Iterable[bool] = ()) -> None:  # fmt: skip
+        """Append the tool delta answering the last policy turn, with its calls' outcomes."""
+        if not self.segments or self.segments[-1].kind != POLICY:
+            raise ValueError("a tool delta must follow a policy turn")
+        self.segments.append(Segment(list(ids), TOOL))
+        self.tool_statuses.extend(statuses)
+        self.tool_truncated += sum(bool(t) for t in truncated)
+
+    @property
+    def response_ids(self) -> list[int]:
+        """Every token after the prompt, in order."""
+        return [token for segment in self.segments for token in segment.ids]
+
+    def context_ids(self) -> list[int]:
+        """Prompt and response: what the engines' sessions hold."""
+        return [*self.prompt_ids, *self.response_ids]
+
+    @property
+    def num_turns(self) -> int:
+        """Policy turns."""
+        return sum(segment.kind == POLICY for segment in self.segments)
+
+    @property
+    def num_tool_calls(self) -> int:
+        """Tool calls run."""
+        return len(self.tool_statuses)
+
+    @property
+    def num_tool_errors(self) -> int:
+        """Tool calls whose status is not `ok`."""
+        return sum(status != "ok" for status in self.tool_statuses)
+
+
+def _slot_names(trajectories: Sequence[Trajectory]) -> list[str]:
+    """The slot names of the batch; ValueError when a policy segment lacks one of them."""
+    names = sorted(
+        {n for t in trajectories for s in t.segments if s.kind == POLICY for n in s.slots}
+    )
+    for i, trajectory in enumerate(trajectories):
+        for j, segment in enumerate(trajectory.segments):
+            missing = set(names) - set(segment.slots) if segment.kind == POLICY else set()
+            if missing:
+                raise ValueError(f"trajectory {i}, segment {j}: no slot {sorted(missing)[0]!r}")
+    return names
+
+
+def _row(trajectory: Trajectory, names: list[str]) -> dict[str, torch.Tensor]:
+    """One trajectory's per-token tensors, unpadded and uncut: ids, policy, tool, turn, slots."""
+    parts: dict[str, list[torch.Tensor]] = {
+        k: [] for k in ("ids", "policy", "tool", "turn", *names)
+    }
+    turn = -1
+    for segment in trajectory.segments:
+        if segment.kind not in SEGMENT_KINDS:
+            raise ValueError(
+                f"segment kind {segment.kind!r} is not valid; valid: {', '.join(SEGMENT_KINDS)}"
+            )
+        n, policy = len(segment.ids), segment.kind == POLICY
+        turn += policy
+        if turn < 0:
+            raise ValueError("a trajectory's first segment must be a policy turn")
+        parts["ids"].append(torch.tensor(segment.ids, dtype=torch.long).reshape(n))
+        parts["policy"].append(torch.full((n,), float(policy)))
+        parts["tool"].append(torch.full((n,), float(not policy)))
+        parts["turn"].append(torch.full((n,), turn, dtype=torch.long))
+        for name in names:
+            values = segment.slots[name] if policy else [0.0] * n
+            parts[name].append(torch.tensor(values, dtype=torch.float32).reshape(n))
+    empty = {"ids": torch.long, "turn": torch.long}
+    return {k: torch.cat(v) if v else torch.zeros(0, dtype=empty.get(k, torch.float32))
+            for k, v in parts.items()}  # fmt: skip
+
+
+def pack(
+    trajectories: Sequence[Trajectory], response_length: int, pad_id: int
+) -> dict[str, torch.Tensor]:
+    """The batch's response tensors, right-padded / cut to T = `response_length`.
+
+    Per token (B, T): `responses` (long, `pad_id` on padding); `response_mask` (float32, 1 on
+    policy tokens: the only ones any loss, advantage or token metric reads); `tool_mask`
+    (float32, 1 on tool tokens); `response_attention_mask` (long, 1 on every kept token: tool
+    tokens are context); `turn_index` (long, k on policy turn k, 0-based, and on the tool delta
+    answering it, -1 on padding); one float32 tensor per slot name (the slot's value at each
+    policy token, 0 on tool tokens and padding).
+    Per episode (B,): `truncated` (bool, the budget cut the response), `response_length` (kept
+    tokens), `num_turns`, `num_tool_calls`, `num_tool_errors`, `num_tool_truncated` (long, of the
+    whole episode, also past a cut).
+    """
+    names = _slot_names(trajectories)
+    b, t = len(trajectories), response_length
+    out = {
+        "responses": torch.full((b, t), pad_id, dtype=torch.long),
+        "response_mask": torch.zeros(b, t),
+        "tool_mask": torch.zeros(b, t),
+        "response_attention_mask": torch.zeros(b, t, dtype=torch.long),
+        "turn_index": torch.full((b, t), -1, dtype=torch.long),
+        **{name: torch.zeros(b, t) for name in names},
+        "truncated": torch.zeros(b, dtype=torch.bool),
+        "response_length": torch.zeros(b, dtype=torch.long),
+    }
+    for i, trajectory in enumerate(trajectories):
+        row = _row(trajectory, names)
+        n = min(len(row["ids"]), t)
+        out["responses"][i, :n] = row["ids"][:n]
+        out["response_mask"][i, :n] = row["policy"][:n]
+        out["tool_mask"][i, :n] = row["tool"][:n]
+        out["response_attention_mask"][i, :n] = 1
+        out["turn_index"][i, :n] = row["turn"][:n]
+        for name in names:
+            out[name][i, :n] = row[name][:n]
+        out["truncated"][i] = len(row["ids"]) > t
+        out["response_length"][i] = n
+    counts = {"num_turns": "num_turns", "num_tool_calls": "num_tool_calls",
+              "num_tool_errors": "num_tool_errors",
+              "num_tool_truncated": "tool_truncated"}  # fmt: skip
+    for key, attribute in counts.items():
+        out[key] = torch.tensor([getattr(tr, attribute) for tr in trajectories], dtype=torch.long)
+    return out
