@@ -55,7 +55,8 @@ from verl.protocol import DataProto
 from verl.utils.real_model import CHAT_PROMPTS
 from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
 from verl.workers.rollout.config import OffPolicyGuidanceConfig, RolloutConfig
-from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout, split_cpu_threads
+from verl.workers.rollout.engine_lifecycle import split_cpu_threads
+from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
 DEFAULT_THREADS = torch.get_num_threads()  # before any engine changes it
 EAGER_TAGS = {"on": "", "off": " compiled", "guidance": " compiled-guidance"}  # --eager values

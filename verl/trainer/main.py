@@ -110,7 +110,7 @@ def check_models(config: PPOConfig) -> None:
     Face cache, downloaded when missing and the hub is reachable), then check the folders and
     that the guidance shares the draft's tokenizer. One-line errors; no model is loaded."""
     from verl.utils.model_path import resolve_config_model_paths
-    from verl.workers.rollout.vllm_rollout_spmd import check_same_tokenizer
+    from verl.workers.rollout.engine_config import check_same_tokenizer
 
     _check_attn_implementation(config)
     _build_embedded_if_needed(config)

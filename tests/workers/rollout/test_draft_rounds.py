@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from verl.workers.rollout.vllm_rollout_spmd import _DraftRounds, _Round, draft_tables
+from verl.workers.rollout.speculative_mode import _DraftRounds, _Round, draft_tables
 from verl.workers.rollout.vllm_sessions import ChunkOutput
 
 K1 = 3  # columns of a listed row: the sampled token, then a top-2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from verl.workers.rollout.config import RolloutConfig
-from verl.workers.rollout.vllm_rollout_spmd import guidance_engine_args
+from verl.workers.rollout.engine_config import guidance_engine_args
 
 
 def _config(rollout_eager: bool, guidance_eager: bool | None, mode: str = "speculative"):

@@ -106,7 +106,7 @@ def _config(draft_rows_path: str | None = None, guidance: str | None = None) -> 
 
 
 def test_both_engines_turn_async_scheduling_off_and_carry_their_memory_key(tiny):
-    from verl.workers.rollout.vllm_rollout_spmd import engine_args
+    from verl.workers.rollout.engine_config import engine_args
 
     draft, teacher, k = engine_args(tiny["d128"], _config(guidance=tiny["g128"]))
     assert draft["async_scheduling"] is False and teacher["async_scheduling"] is False
@@ -121,7 +121,7 @@ def test_both_engines_turn_async_scheduling_off_and_carry_their_memory_key(tiny)
 
 @pytest.mark.parametrize("chunked", [True, False])
 def test_both_engines_get_the_configured_chunked_prefill(tiny, chunked):
-    from verl.workers.rollout.vllm_rollout_spmd import engine_args
+    from verl.workers.rollout.engine_config import engine_args
 
     config = _config(guidance=tiny["g128"])
     assert config.enable_chunked_prefill is True  # vLLM 0.32's own default for these models
@@ -135,7 +135,8 @@ def test_both_engines_get_the_configured_chunked_prefill(tiny, chunked):
 @pytest.mark.parametrize("disable_tqdm", [True, False])
 def test_whole_response_generation_shows_vllms_bar_unless_disabled(disable_tqdm):
     """`disable_tqdm` reaches the draft engine's generate call (a recording stand-in engine)."""
-    from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout, _Engines
+    from verl.workers.rollout.engine_lifecycle import _Engines
+    from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
     calls = []
 
@@ -155,7 +156,7 @@ def test_whole_response_generation_shows_vllms_bar_unless_disabled(disable_tqdm)
 def test_the_engine_with_more_embedding_rows_is_restricted_to_the_common_ones(tiny):
     """The README's pair in small: a 128-row draft with a 160-row guidance (the same tokenizer):
     the guidance gives ids 128..159 probability 0 and lists at most 128; reversed, the draft."""
-    from verl.workers.rollout.vllm_rollout_spmd import engine_args
+    from verl.workers.rollout.engine_config import engine_args
 
     draft, teacher, k = engine_args(tiny["d128"], _config(guidance=tiny["g160"]))
     assert draft[ENGINE_KEY]["vocab_rows"] is None and teacher[ENGINE_KEY]["vocab_rows"] == 128
@@ -187,7 +188,8 @@ def test_the_draft_engine_is_built_before_the_guidance_engine_starts(monkeypatch
     """`VLLMRollout` with stand-ins recording what happens when: the guidance's process is
     spawned first (it imports vLLM), its engine is only asked for once the draft's is built;
     when the draft fails, the guidance process is stopped and its engine never started."""
-    from verl.workers.rollout import vllm_rollout_spmd as spmd
+    from verl.workers.rollout import engine_lifecycle as spmd
+    from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
     events = []
 
@@ -221,12 +223,12 @@ def test_the_draft_engine_is_built_before_the_guidance_engine_starts(monkeypatch
     monkeypatch.setattr(spmd, "build_llm", build)
     monkeypatch.setattr(spmd, "SessionEngine", lambda llm: None)
     monkeypatch.setattr(spmd, "split_cpu_threads", lambda: {})
-    spmd.VLLMRollout("d", cfg, 0, 0)
+    VLLMRollout("d", cfg, 0, 0)
     assert events == ["guidance process spawned", "draft build begins", "draft built",
                       "guidance engine started (g)", "guidance engine ready"]  # fmt: skip
     events.clear()
     with pytest.raises(RuntimeError, match="draft failed"):
-        spmd.VLLMRollout("broken", cfg, 0, 0)
+        VLLMRollout("broken", cfg, 0, 0)
     assert events == ["guidance process spawned", "draft build begins", "guidance process stopped"]
 
 

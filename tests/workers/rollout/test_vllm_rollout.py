@@ -11,7 +11,8 @@ from scipy.stats import chisquare
 from verl.protocol import DataProto
 from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR
 from verl.workers.rollout.config import RolloutConfig
-from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout, check_same_tokenizer
+from verl.workers.rollout.engine_config import check_same_tokenizer
+from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
 pytestmark = pytest.mark.vllm
 VOCAB = 100  # exactly the char tokenizer: full-distribution log-probs with logprobs=100

@@ -1,4 +1,5 @@
-"""Rollout configuration: the draft vLLM engine and the optional guidance engine (DESIGN.md §3)."""
+"""Rollout configuration: the draft vLLM engine and the optional guidance engine
+(docs/design.md#guidance-math)."""
 
 from __future__ import annotations
 

@@ -166,7 +166,9 @@ class _Server:
 
     def info(self) -> dict:
         """The engine's vocabulary, model runner class, KV budget (bytes) and vocab rows."""
-        return {"vocab_size": self.llm.llm_engine.model_config.get_vocab_size(), **self.facts}
+        from verl.workers.rollout.vllm_engine import vocab_size
+
+        return {"vocab_size": vocab_size(self.llm), **self.facts}
 
     def sleep(self) -> None:
         """vLLM sleep mode, level 1 (KV cache freed, weights offloaded to CPU; level 2 would
@@ -181,13 +183,13 @@ class _Server:
     def wake_up(self) -> None:
         """Every allocation resident again, the weights before the KV cache, each under the
         GPU's lock; idempotent."""
-        from verl.workers.rollout.vllm_engine import device_lock
+        from verl.workers.rollout.vllm_engine import device_lock, is_sleeping
 
         if self.asleep:
             for tag in ("weights", "kv_cache"):
                 with device_lock():
                     self.llm.wake_up(tags=[tag])
-            if self.llm.llm_engine.is_sleeping():
+            if is_sleeping(self.llm):
                 raise RuntimeError(
                     "the guidance engine still reports it is sleeping after waking every tag"
                 )
@@ -216,16 +218,13 @@ class _Server:
         stacked (N, K+1); (ids, log-probs) (C, K+1) of the top-K one position past each chunk's
         tokens; the number of tokens the engine computed). Every row is processed with
         `processing` (temperature, top_k, top_p) in the engine, as vLLM's sampler processes a
-        sampled row: prompt rows by the session patch (`PROCESS_KEY`), the row past the tokens by
-        the sampler (the engine reports processed log-probs)."""
+        sampled row: prompt rows by the session patch (`vllm_sessions.scoring_params`), the row
+        past the tokens by the sampler (the engine reports processed log-probs)."""
         self._awake("score")
-        from verl_patches.vllm_session_rewind import PROCESS_KEY
-        from vllm import SamplingParams
+        from verl.workers.rollout.vllm_sessions import scoring_params
 
         def new_params(sid: str, max_tokens: int):
-            return SamplingParams(max_tokens=max_tokens, prompt_logprobs=num_logprobs, logprobs=num_logprobs,
-                                  detokenize=False, skip_clone=True, extra_args={PROCESS_KEY: True},
-                                  **processing)  # fmt: skip
+            return scoring_params(max_tokens, num_logprobs, processing)
 
         before = self.sessions.tokens_computed
         results = self.sessions.run(chunks, new_params)

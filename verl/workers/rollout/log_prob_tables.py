@@ -4,7 +4,7 @@
 engines' flat rows (one per proposal position: the position's own token, then the top-K), read
 by sorted searches so nothing builds an (N, M, K) comparison. `process_log_probs` is the
 reference of the samplers' processing (temperature, top-k, top-p). Pure: no vLLM, no
-torch.distributed (DESIGN.md §2).
+torch.distributed (docs/design.md#architecture-and-the-dependency-rule).
 """
 
 from __future__ import annotations

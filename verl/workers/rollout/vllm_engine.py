@@ -1,6 +1,12 @@
-"""Building the rollout's vLLM engines the same way on every platform, and checking what was built.
+"""The rollout's door to vLLM's engine: building engines the same way on every platform, checking
+what was built, and the few operations on a live engine that reach past `vllm.LLM`'s public API.
 
-vLLM 0.32 picks several things by platform that the rollout depends on (DESIGN.md §6): it builds
+With `vllm_sessions.py`, the only module that imports the session patch or touches vLLM's private
+internals (engine core, model runner, sleep state); everything else calls `build_llm`,
+`reload_weights`, `is_sleeping` and `vocab_size`. tests/workers/rollout/test_vllm_door.py parses
+every module and fails when another one reaches in (docs/design.md#the-vllm-door-and-the-patch).
+
+vLLM 0.32 picks several things by platform that the rollout depends on: it builds
 Model Runner V2 wherever Triton is usable (the session patch changes the V1 runner), turns async
 scheduling on on CUDA (a rewound session could meet a stale queued step), and sizes a KV cache
 on CUDA from the device's free memory while it profiles (two engines starting at once on one GPU
@@ -17,10 +23,11 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
+from verl_patches import vllm_session_rewind
 
 from verl.utils.config_checks import fail
 
@@ -120,8 +127,6 @@ def build_llm(kwargs: dict):
     explicit KV budget (`memory_args`), the session patch applied and checked on the live engine
     (`vllm_session_rewind.check_engine`), and the ids past `vocab_rows` restricted to
     probability 0. Returns (llm, facts: runner class, KV budget in bytes, vocab rows)."""
-    from verl_patches import vllm_session_rewind
-
     kwargs = dict(kwargs)
     extra = kwargs.pop(ENGINE_KEY, None) or {}
     kwargs.update(memory_args(kwargs, extra.get("memory_key", "gpu_memory_utilization")))
@@ -140,6 +145,30 @@ def build_llm(kwargs: dict):
     print(f"vLLM engine of {kwargs['model']} built: model runner class {runner}, KV cache "
           f"{facts['kv_cache_bytes']} bytes, vocab rows {rows or 'all'}", flush=True)  # fmt: skip
     return llm, facts
+
+
+def reload_weights(
+    llm, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+) -> None:
+    """Load new weights into an in-process engine's live model, in place: a state dict or a
+    stream of (name, tensor) pairs consumed once, in order (vLLM's model runner `reload_weights`,
+    tensor_parallel_size=1), then drop the prefix cache computed with the old weights."""
+    runner = vllm_session_rewind.live_runner(llm)
+    runner.reload_weights(
+        weights_iterator=iter(weights.items() if isinstance(weights, dict) else weights)
+    )
+    llm.reset_prefix_cache()
+
+
+def is_sleeping(llm) -> bool:
+    """Whether the engine itself reports sleep-mode memory still offloaded (vLLM's own state, not
+    what the caller asked for: a wake-up call may return with a tag still asleep)."""
+    return bool(llm.llm_engine.is_sleeping())
+
+
+def vocab_size(llm) -> int:
+    """The number of ids the engine's model scores (its embedding rows, padding included)."""
+    return llm.llm_engine.model_config.get_vocab_size()
 
 
 def device_key() -> str | None:

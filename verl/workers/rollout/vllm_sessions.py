@@ -6,6 +6,9 @@ computed (rejected proposals are taken back), so a round costs about k + 1 new t
 sequence instead of the whole prefix. The rewind is `verl_patches.vllm_session_rewind`
 (`patches/`); this module drives the engine core directly and reads log-probs as the engine's
 own arrays, skipping vLLM's per-position Python conversion.
+
+With `vllm_engine.py`, the only module that imports the session patch or touches vLLM's private
+internals; the patch's request options reach other modules as functions (`scoring_params`).
 """
 
 from __future__ import annotations
@@ -236,6 +239,19 @@ class SessionEngine:
                 self._running.pop(sid, None)
             closed = set(ids)
             self._params = {key: p for key, p in self._params.items() if key[0] not in closed}
+
+
+def scoring_params(max_tokens: int, num_logprobs: int, processing: dict):
+    """SamplingParams of a scoring chunk: the prompt log-probs and the sampled tokens' log-probs,
+    `num_logprobs` ids each, with every prompt row processed in the engine by `processing`
+    (temperature, top_k, top_p) exactly as vLLM's sampler processes a sampled row (the session
+    patch's `PROCESS_KEY`); the sampled rows are processed by the sampler itself when the engine
+    reports processed log-probs."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, prompt_logprobs=num_logprobs, logprobs=num_logprobs,
+                          detokenize=False, skip_clone=True, extra_args={vllm_session_rewind.PROCESS_KEY: True},
+                          **processing)  # fmt: skip
 
 
 def sampled_log_probs(completion) -> tuple[list[int], list[float]]:

@@ -185,8 +185,8 @@ class RolloutGroup:
 
     def _start_guidance(self) -> None:
         """Start `offpolicy_guidance.num_replicas` services (their engines build in the background)."""
+        from verl.workers.rollout.engine_config import engine_args
         from verl.workers.rollout.guidance_service import GuidanceService
-        from verl.workers.rollout.vllm_rollout_spmd import engine_args
 
         drafts = len(self.replicas)
         count = self.config.offpolicy_guidance.num_replicas or drafts  # (None: one per replica)

@@ -1,0 +1,187 @@
+"""The rollout's generation modes, a registry of strategies (verl's register pattern).
+
+`generate_sequences` picks one per call (`pick_mode`) and runs it on the rollout and the call's
+`Job`; each returns the sequences (`Generated`), which `packing.to_dataproto` lays out:
+- "draft_only": the draft engine alone (guidance off, or a call without it, e.g. validation);
+- "mix": the first `mix_num_samples` responses of each prompt sampled whole by the guidance;
+- "teacher_only_prefill": λ = 0 by prefill, the draft samples, the guidance scores each
+  response in one prefill (`teacher_scoring: prefill`);
+- "speculative": speculative rounds toward q_λ on both engines (`speculative_mode.py`).
+
+A mode uses the rollout's engines (`engines`, `draft_sessions`, `cores_to`), its sampling
+settings of the call (`_draft_only`, `_sampling_kwargs`, `_guidance_processing`, `_max_tokens`,
+`num_logprobs`) and the call's `_counters` and session-id counter `_call`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from verl.trainer.core_algos.guidance import LAM_GATES
+from verl.utils.registry import Registry
+from verl.workers.rollout.config import OffPolicyGuidanceConfig
+from verl.workers.rollout.speculative import GuidedSequence, ListedRows, RoundStats
+from verl.workers.rollout.speculative_mode import speculative_waves
+
+if TYPE_CHECKING:
+    from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
+
+
+@dataclass
+class Job:
+    """One `generate_sequences` call as a mode sees it."""
+
+    prompts: list[list[int]]
+    """The B sequences' prompts: each prompt repeated n times, row-major by prompt."""
+    n: int
+    """Responses per prompt."""
+    seeds: np.ndarray
+    """(B, 2) per sequence: its engine sampling seed, its acceptance draws' seed."""
+    lam: float
+    """The step's λ (0.0 without guidance)."""
+    meta: dict
+    """The batch's meta_info (e.g. `entropy_threshold`)."""
+
+
+@dataclass
+class Generated:
+    """What a mode generated: the B sequences, its round counters (speculative rounds only) and
+    which responses were sampled with λ > 0 ((B,) bool; None: none)."""
+
+    seqs: list[GuidedSequence]
+    stats: RoundStats | None = None
+    guided: np.ndarray | None = None
+
+
+ModeFn = Callable[[Any, Job], Generated]
+GENERATION_MODES: Registry[ModeFn] = Registry("generation mode")
+
+
+def _guided_samples(guidance: OffPolicyGuidanceConfig, n: int) -> int:
+    """How many of each prompt's n responses are guided (`guided_samples`, None: all)."""
+    return n if guidance.guided_samples is None else guidance.guided_samples
+
+
+def pick_mode(guidance: OffPolicyGuidanceConfig, meta: dict, n: int) -> tuple[str, float]:
+    """The call's mode and λ: the draft alone without guidance (or when the call says
+    `guidance: False`, e.g. validation), else by `guidance.mode`, with λ = 0 (or no guided
+    response) scored by prefill under `teacher_scoring: prefill`."""
+    if not guidance.enable or not meta.get("guidance", True):  # e.g. validation: the draft alone
+        return "draft_only", 0.0
+    # the step's λ as the trainer scheduled it (`ray_trainer.step_guidance`); a caller outside
+    # the trainer (a test, a benchmark) that sends none gets the configured `lam`
+    lam = float(meta.get("lam", guidance.lam))
+    if guidance.mode == "mix":
+        return "mix", lam
+    if (lam == 0.0 or _guided_samples(guidance, n) == 0) and guidance.teacher_scoring == "prefill":
+        return "teacher_only_prefill", lam  # scores only
+    return "speculative", lam
+
+
+def whole_response(
+    tokens: list[int], log_probs: list[float], from_guidance: bool
+) -> GuidedSequence:
+    """A response sampled whole by one engine. The other engine never scored it: a draft
+    response's q is not reported (NaN, `guidance_missing_mask`); a guidance response's p is not
+    either, and its own log-probs stand in for `rollout_log_probs` (mix mode's behavior is the
+    emitting engine's, so neither enters μ; see README_guidance.md)."""
+    unscored = [float("nan")] * len(tokens)
+    return GuidedSequence(tokens, [from_guidance] * len(tokens), log_probs,
+                          log_probs if from_guidance else unscored, True)  # fmt: skip
+
+
+@GENERATION_MODES.register("draft_only")
+def draft_only(rollout: VLLMRollout, job: Job) -> Generated:
+    """Whole responses from the draft engine, one seed per sequence."""
+    return Generated(rollout._draft_only(job.prompts, job.seeds[:, 0]))
+
+
+@GENERATION_MODES.register("mix")
+def mix(rollout: VLLMRollout, job: Job) -> Generated:
+    """The first `mix_num_samples` of each prompt's n samples from the guidance (its process
+    samples them while the draft engine samples the rest here), the others from the draft."""
+    prompts, n, seeds = job.prompts, job.n, job.seeds[:, 0]
+    k = rollout.config.offpolicy_guidance.mix_num_samples
+    rows = {g: [i for i in range(len(prompts)) if (i % n < k) == g] for g in (True, False)}
+    seqs: list = [None] * len(prompts)
+    if rows[True]:
+        params = [rollout._sampling_kwargs(rollout._max_tokens, 1, int(seeds[i]), **rollout._guidance_processing())
+                  for i in rows[True]]  # fmt: skip
+        rollout.engines.guidance.submit("generate", [prompts[i] for i in rows[True]], params)
+    if rows[False]:
+        draft = rollout._draft_only([prompts[i] for i in rows[False]], seeds[rows[False]])
+        for i, seq in zip(rows[False], draft, strict=True):
+            seqs[i] = seq
+    if rows[True]:
+        for i, (tokens, lps) in zip(rows[True], rollout.engines.guidance.result(), strict=True):
+            seqs[i] = whole_response(tokens, lps, True)
+    return Generated(seqs)
+
+
+@GENERATION_MODES.register("teacher_only_prefill")
+def teacher_only_prefill(rollout: VLLMRollout, job: Job) -> Generated:
+    """λ = 0 by prefill: the draft samples whole responses, then the guidance scores each in
+    one prefill; on CPU each engine has every core while it works (the other idles)."""
+    with rollout.cores_to("draft"):
+        seqs = rollout._draft_only(job.prompts, job.seeds[:, 0])
+    with rollout.cores_to("guidance"):
+        _teacher_prefill(rollout, job.prompts, seqs)
+    return Generated(seqs)
+
+
+def _teacher_prefill(
+    rollout: VLLMRollout, prompts: list[list[int]], seqs: list[GuidedSequence]
+) -> None:
+    """Score whole sampled sequences on the guidance engine, one prefill each (in waves its
+    KV cache holds), and set their `guidance_log_probs` to its processed log q of every
+    response token (column 0 of a prompt log-prob row is the scored token itself)."""
+    guidance = rollout.engines.guidance
+    longest = max(len(p) + len(s.tokens) for p, s in zip(prompts, seqs, strict=True)) + 1
+    wave = guidance.call("capacity", longest)
+    for start in range(0, len(seqs), wave):
+        rollout._call += 1
+        part = range(start, min(start + wave, len(seqs)))
+        chunks = [(f"t{rollout._call}-{i}", prompts[i] + seqs[i].tokens, 1, None) for i in part]
+        rows = [(len(prompts[i]) - 1, len(seqs[i].tokens)) for i in part]
+        (ids, values), _, computed = guidance.call(
+            "score", chunks, rows, rollout.num_logprobs, rollout._guidance_processing()
+        )
+        guidance.call("close")
+        rollout._counters.computed += computed
+        processed = ListedRows(ids, values)  # processed in the engine
+        rollout._counters.tail_mass.append(processed.tail_mass())
+        ends = np.cumsum([count for _, count in rows])[:-1]
+        for i, values_i in zip(
+            part, np.split(processed.log_probs[:, 0].astype(np.float64), ends), strict=True
+        ):
+            seqs[i].guidance_log_probs = values_i.tolist()
+        if rollout.config.offpolicy_guidance.keep_topk:  # the rows, for a top-K forward KL
+            ids_k, values_k = processed.topk()
+            for i, a, b in zip(part, np.split(ids_k, ends), np.split(values_k, ends), strict=True):
+                seqs[i].guidance_topk = (a, b)
+
+
+@GENERATION_MODES.register("speculative")
+def speculative(rollout: VLLMRollout, job: Job) -> Generated:
+    """Speculative guidance toward q_λ: the first `guided_samples` responses of each prompt
+    guided, the others λ_t = 0 (the draft alone), with the gate `lam_gate` at the call's
+    `entropy_threshold` τ (`speculative_mode.speculative_waves`)."""
+    guidance = rollout.config.offpolicy_guidance
+    subset = _guided_samples(guidance, job.n)
+    guided = (np.arange(len(job.prompts)) % job.n < subset) & (job.lam > 0.0)
+    tau = float(job.meta.get("entropy_threshold", guidance.entropy_threshold))
+    seqs, stats = speculative_waves(rollout, job.prompts, job.lam, job.seeds, guided,
+                                    _gate(guidance.lam_gate, tau))  # fmt: skip
+    return Generated(seqs, stats, guided)
+
+
+def _gate(name: str, tau: float) -> Callable[[np.ndarray], np.ndarray] | None:
+    """The per-position gate of λ (`lam_gate` `name`) with threshold τ; None: λ_t = λ."""
+    if name == "none":
+        return None
+    gate = LAM_GATES.get(name)
+    return lambda entropy: gate(entropy, tau)

@@ -1,0 +1,141 @@
+"""The rollout's batches in and out: prompts read from a padded `DataProto`, generated sequences
+packed into EasyR1's layout (prompts left-padded to `prompt_length`, responses right-padded to
+`response_length`) with the guidance's tensors, and the call's counters as `meta_info`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from verl.protocol import DataProto
+from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR, guidance_tensors
+from verl.workers.rollout.config import RolloutConfig
+from verl.workers.rollout.speculative import GuidedSequence, RoundStats
+
+
+def unpad_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """The token ids of each prompt row (B, P) where its attention mask is set."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask, strict=True)]
+
+
+def _padded_rows(
+    prompts: list[list[int]],
+    seqs: list[GuidedSequence],
+    p_len: int,
+    r_len: int,
+    pad: int,
+    lam: float,
+) -> dict[str, torch.Tensor]:
+    """Per-sequence lists as padded tensors: prompts (B, P) left-padded, and per response token
+    (B, T): ids, mask, log p (floored), log q, log q̃, λ_t, the draft's entropy, off-policy."""
+    b = len(seqs)
+    rows = {
+        "prompts": torch.full((b, p_len), pad, dtype=torch.long),
+        "prompt_mask": torch.zeros(b, p_len, dtype=torch.long),
+        "responses": torch.full((b, r_len), pad, dtype=torch.long),
+        "response_mask": torch.zeros(b, r_len, dtype=torch.long),
+        "draft_lp": torch.zeros(b, r_len),
+        "guide_lp": torch.zeros(b, r_len),  # -inf: q = 0 after processing; NaN: not reported
+        "target_lp": torch.zeros(b, r_len),  # log q̃ of the sampled target (speculative rounds)
+        "lam_t": torch.full((b, r_len), lam, dtype=torch.float64),  # λ_t (speculative rounds)
+        "entropy": torch.full((b, r_len), float("nan")),  # the draft's H_t (speculative rounds)
+        "off": torch.zeros(b, r_len, dtype=torch.bool),
+    }
+    for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
+        rows["prompts"][i, p_len - len(p) :] = torch.tensor(p)
+        rows["prompt_mask"][i, p_len - len(p) :] = 1
+        n = len(s.tokens)
+        rows["responses"][i, :n] = torch.tensor(s.tokens)
+        rows["response_mask"][i, :n] = 1
+        rows["draft_lp"][i, :n] = torch.tensor(s.draft_log_probs).clamp(min=LOG_PROB_FLOOR)
+        rows["guide_lp"][i, :n] = torch.tensor(s.guidance_log_probs)
+        rows["target_lp"][i, :n] = torch.tensor(
+            s.target_log_probs if s.target_log_probs else s.guidance_log_probs
+        )
+        rows["off"][i, :n] = torch.tensor(s.offpolicy)
+        if s.lam:
+            rows["lam_t"][i, :n] = torch.tensor(s.lam, dtype=torch.float64)
+            rows["entropy"][i, :n] = torch.tensor(s.draft_entropy)
+    return rows
+
+
+def to_dataproto(
+    config: RolloutConfig,
+    pad_token_id: int,
+    num_logprobs: int,
+    prompts: list[list[int]],
+    seqs: list[GuidedSequence],
+    lam: float,
+    guided: np.ndarray,
+) -> DataProto:
+    """The sequences (B) in EasyR1's layout: `prompts`, `responses`, `input_ids`,
+    `attention_mask`, `position_ids`, `response_mask`, `rollout_log_probs` (the draft's); with
+    guidance, `guidance_tensors`' (behavior log-probs, off-policy and missing masks), the
+    per-token λ_t and draft entropy, `guided_responses` (`guided`, (B,)) and, with `keep_topk`,
+    the guidance's top-K rows (`num_logprobs` columns)."""
+    guidance = config.offpolicy_guidance
+    r_len = config.response_length
+    rows = _padded_rows(prompts, seqs, config.prompt_length, r_len, pad_token_id, lam)
+    prompt_t, resp, resp_mask = rows["prompts"], rows["responses"], rows["response_mask"]
+    draft_lp, lam_t = rows["draft_lp"], rows["lam_t"]
+    attention = torch.cat([rows["prompt_mask"], resp_mask], dim=1)
+    tensors = {
+        "prompts": prompt_t,
+        "responses": resp,
+        "input_ids": torch.cat([prompt_t, resp], dim=1),
+        "attention_mask": attention,
+        "position_ids": (attention.cumsum(-1) - 1).clamp(min=0) * attention,
+        "response_mask": resp_mask.float(),
+        "rollout_log_probs": draft_lp * resp_mask,
+    }
+    if guidance.enable and guidance.keep_topk:
+        tensors.update(_topk_tensors(seqs, r_len, num_logprobs))
+    if guidance.enable:
+        per_token = any(s.lam for s in seqs) and (lam_t != lam).any()  # a gate or a subset
+        tensors.update(guidance_tensors(draft_lp, rows["guide_lp"], rows["off"], resp_mask,
+                                        lam_t if per_token else lam, guidance.mode, guidance.behavior,
+                                        rows["target_lp"]))  # fmt: skip
+        tensors.update(guidance_lam=(lam_t * resp_mask).float(), draft_entropy=rows["entropy"],
+                       guided_responses=torch.from_numpy(guided))  # fmt: skip
+    return DataProto.from_dict(tensors)
+
+
+def _topk_tensors(seqs: list[GuidedSequence], width: int, k: int) -> dict[str, torch.Tensor]:
+    """`guidance_topk_ids` (B, T, K) and `guidance_topk_log_probs` (B, T, K) from the rows the
+    sequences kept; padding and sequences without rows read id 0 and the floor."""
+    ids = torch.zeros(len(seqs), width, k, dtype=torch.long)
+    values = torch.full((len(seqs), width, k), LOG_PROB_FLOOR)
+    for i, seq in enumerate(seqs):
+        if seq.guidance_topk is not None:
+            n = len(seq.guidance_topk[0])
+            ids[i, :n] = torch.from_numpy(seq.guidance_topk[0])
+            values[i, :n] = torch.from_numpy(seq.guidance_topk[1]).float().clamp(min=LOG_PROB_FLOOR)
+    return {"guidance_topk_ids": ids, "guidance_topk_log_probs": values}
+
+
+@dataclass
+class Counters:
+    """Guidance work of one `generate_sequences` call, reported in meta_info."""
+
+    computed: int = 0
+    submitted: int = 0
+    tail_mass: list[np.ndarray] = field(default_factory=list)
+    lookups: int = 0  # draft rows looked up at guidance tokens its top-K did not list
+
+    def meta(self, stats: RoundStats | None, out: DataProto, lam: float, seqs: list) -> dict:
+        emitted = int(out.batch["response_mask"].sum())
+        meta = {"lam": lam, "emitted_tokens": emitted, "guidance_tokens_computed": self.computed,
+                "guidance_tokens_submitted": self.submitted, "draft_lookups": self.lookups}  # fmt: skip
+        if stats is not None:  # speculative rounds ran: TV(target, q_λ) per emitted token
+            tv = [t for s in seqs for t in s.target_tv]
+            meta["target_tv"] = float(np.mean(tv)) if tv else 0.0
+            meta.update(accept_rate=stats.accept_rate, rounds=stats.rounds, proposed_tokens=stats.proposed,
+                        accepted_tokens=stats.accepted, bonus_tokens=stats.bonus,
+                        guidance_tokens_per_emitted=self.computed / max(emitted, 1))  # fmt: skip
+        if self.tail_mass:
+            rows = np.concatenate(self.tail_mass)
+            meta.update(topk_tail_mass=float(rows.mean()), topk_rows=len(rows))
+        return meta

@@ -1,0 +1,243 @@
+"""Speculative guidance on the two engines: the draft engine's sessions as the algorithm's
+`DraftStepper` (`_DraftRounds`), the guidance engine as its `AsyncScorer` (`GuidanceScorer`),
+and the waves of sequences whose sessions fit both KV caches (`speculative_waves`), each run by
+`speculative.overlapped_generate`.
+
+Row t of vLLM's prompt log-probs scores token t+1, so the proposals of a prefix of length L are
+the guidance's rows L-1 .. L+n-2: a scoring chunk recomputes from position L-1 on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from verl.workers.rollout.guidance_server import GuidanceChannel
+from verl.workers.rollout.packing import Counters
+from verl.workers.rollout.speculative import (
+    GuidedSequence,
+    ListedRows,
+    RoundStats,
+    SpeculativeBatch,
+    overlapped_generate,
+)
+from verl.workers.rollout.vllm_sessions import SessionEngine
+
+if TYPE_CHECKING:
+    from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
+
+
+def speculative_waves(
+    rollout: VLLMRollout,
+    prompts: list[list[int]],
+    lam: float,
+    seeds: np.ndarray,
+    guided: np.ndarray,
+    gate: Callable[[np.ndarray], np.ndarray] | None,
+) -> tuple[list[GuidedSequence], RoundStats]:
+    """Speculative guidance in waves of sequences whose sessions fit both KV caches at once
+    (a session keeps its KV blocks from its first round to its last). A wave is split into
+    `pipeline_groups` groups whose rounds interleave across the two engines. Sequences not
+    `guided` (B,) sample the draft alone (λ_t = 0); `gate` maps draft entropies to λ_t / λ;
+    `seeds` (B, 2) as `sequence_seeds`."""
+    longest = max(map(len, prompts)) + rollout._max_tokens + 1
+    wave = min(
+        rollout.draft_sessions.capacity(longest), rollout.engines.guidance.call("capacity", longest)
+    )
+    eos = None if rollout._ignore_eos else rollout.eos_token_id
+    seqs, stats = [], RoundStats()
+    for start in range(0, len(prompts), wave):
+        rollout._call += 1  # session ids are unique per wave
+        part = slice(start, start + wave)
+        batches = _run_wave(rollout, prompts[part], lam, seeds[part], guided[part], gate, eos)
+        for batch in batches:
+            seqs.extend(batch.seqs)
+            stats.add(batch.stats)
+    return seqs, stats
+
+
+def _run_wave(
+    rollout: VLLMRollout,
+    part: list[list[int]],
+    lam: float,
+    part_seeds: np.ndarray,
+    guided: np.ndarray,
+    gate: Callable[[np.ndarray], np.ndarray] | None,
+    eos: int | None,
+) -> list[SpeculativeBatch]:
+    """One wave's sequences, in `pipeline_groups` batches run overlapped; every session of the
+    wave is freed on both engines after it (or after an error, best effort)."""
+    guidance = rollout.config.offpolicy_guidance
+    scale = guided.astype(np.float64)
+    gens = [torch.Generator().manual_seed(int(s)) for s in part_seeds[:, 1]]
+    groups = np.array_split(np.arange(len(part)), min(guidance.pipeline_groups, len(part)))
+    batches = [SpeculativeBatch([part[i] for i in g], lam, guidance.num_speculative_tokens, rollout._max_tokens, eos,
+                                [gens[i] for i in g], ids=g.tolist(), bonus=guidance.bonus_token,
+                                lam_scale=scale[g].tolist(), gate=gate) for g in groups]  # fmt: skip
+    draft = _DraftRounds(rollout.draft_sessions, f"d{rollout._call}-",
+                         lambda i, m, s=part_seeds[:, 0]: rollout._draft_params(m, rollout.num_logprobs, int(s[i])))  # fmt: skip
+    scorer = GuidanceScorer(rollout.engines.guidance, f"g{rollout._call}-", rollout.num_logprobs,
+                            rollout._guidance_processing(), rollout._counters)  # fmt: skip
+    stagger = -(-guidance.num_speculative_tokens // len(batches))  # spread over one round
+    try:
+        overlapped_generate(batches, draft, scorer, stagger)
+    except BaseException:
+        rollout.draft_sessions.close()
+        scorer.abandon()
+        raise
+    rollout.draft_sessions.close()
+    rollout.engines.guidance.call("close")
+    rollout._counters.lookups += draft.lookups
+    return batches
+
+
+class GuidanceScorer:
+    """The guidance engine as `speculative.AsyncScorer` for one wave: scoring requests over its
+    channel, answered in order, with sessions named `prefix` + sequence id, log-probs of
+    `num_logprobs` ids processed in the engine with `processing` (temperature, top_k, top_p),
+    and the work counted in `counters`."""
+
+    def __init__(
+        self,
+        channel: GuidanceChannel,
+        prefix: str,
+        num_logprobs: int,
+        processing: dict,
+        counters: Counters,
+    ) -> None:
+        self.channel, self.prefix, self.num_logprobs = channel, prefix, num_logprobs
+        self.processing, self.counters = processing, counters
+        self.in_flight = 0  # rounds submitted and not yet collected
+
+    def submit(
+        self, ids: list[int], prefixes: list[list[int]], proposals: torch.Tensor, num: torch.Tensor
+    ) -> None:
+        """Ask the guidance process for its log-prob tables at the proposal positions (no wait):
+        the proposals of a prefix of length L are rows L-1 .. L+n-2, and the session recomputes
+        from position L-1 on (`recompute_from`)."""
+        chunks = [(f"{self.prefix}{i}", prefix + proposals[row, : num[row]].tolist(), 1, len(prefix) - 1)
+                  for row, (i, prefix) in enumerate(zip(ids, prefixes, strict=True))]  # fmt: skip
+        rows = [(len(prefix) - 1, int(n)) for prefix, n in zip(prefixes, num, strict=True)]
+        self.channel.submit("score", chunks, rows, self.num_logprobs, self.processing)
+        self.counters.submitted += sum(len(tokens) for _, tokens, *_ in chunks)
+        self.in_flight += 1
+
+    def ready(self) -> bool:
+        return self.channel.ready()
+
+    def collect(self) -> tuple[ListedRows, ListedRows]:
+        """The guidance's listed log-probs of the oldest round submitted, one row per proposal,
+        and one row per sequence one position past its last proposal (for a bonus token), both
+        processed like the draft's."""
+        self.in_flight -= 1
+        (ids, values), (next_ids, next_values), computed = self.channel.result()
+        self.counters.computed += computed
+        tables = ListedRows(ids, values)
+        self.counters.tail_mass.append(tables.tail_mass())  # after processing: 1 - Q_S
+        return tables, ListedRows(next_ids, next_values)
+
+    def abandon(self) -> None:
+        """After an error: collect the answers still in flight and free the wave's sessions, so
+        the engine stays usable (best effort: the error being raised is the one that matters)."""
+        try:
+            while self.in_flight:
+                self.in_flight -= 1
+                self.channel.result()
+            self.channel.call("close")
+        except RuntimeError:
+            pass
+
+
+@dataclass
+class _Round:
+    budget: list[int]
+    outs: list  # the sessions' chunk outputs, filled in place as the engine steps
+    returned: bool = False  # its proposals were handed out (its lookahead may still run)
+
+
+class _DraftRounds:
+    """The draft engine's sessions as `speculative.DraftStepper`: rounds of several batches
+    share engine steps; a round is returned once all its sequences finished proposing, and its
+    lookahead tokens (a chunk's one token past the budget) are drafted in the steps after."""
+
+    def __init__(self, sessions: SessionEngine, prefix: str, new_params: Callable) -> None:
+        self.sessions, self.prefix, self.new_params = sessions, prefix, new_params
+        self.rounds: dict[int, _Round] = {}
+        self.lookups = 0  # draft rows looked up (`probe`)
+
+    def start(
+        self,
+        key: int,
+        ids: list[int],
+        prefixes: list[list[int]],
+        budget: list[int],
+        lookahead: list[bool],
+    ) -> None:
+        sids = [f"{self.prefix}{i}" for i in ids]
+        index = dict(zip(sids, ids, strict=True))
+        chunks = [(sid, prefix, b + extra, None)
+                  for sid, prefix, b, extra in zip(sids, prefixes, budget, lookahead, strict=True)]  # fmt: skip
+        outs = self.sessions.add(chunks, lambda sid, m: self.new_params(index[sid], m))
+        self.rounds[key] = _Round(list(budget), outs)
+
+    @property
+    def busy(self) -> bool:
+        """A chunk is running, or a round finished proposing and was not returned yet (it may have
+        finished in the engine steps of a `probe`, when no chunk is left to step)."""
+        return self.sessions.busy or any(
+            not r.returned and self._proposed(r) for r in self.rounds.values()
+        )
+
+    @staticmethod
+    def _proposed(r: _Round) -> bool:
+        return all(
+            o.finished or len(o.token_ids) >= b for o, b in zip(r.outs, r.budget, strict=True)
+        )
+
+    def step(self) -> list[tuple[int, torch.Tensor, torch.Tensor, ListedRows]]:
+        if self.sessions.busy:
+            self.sessions.step()
+        done = []
+        for key, r in self.rounds.items():
+            if not r.returned and self._proposed(r):
+                r.returned = True
+                done.append((key, *draft_tables(r.outs, r.budget)))
+        return done
+
+    def drafting(self, key: int) -> bool:
+        return not all(o.finished for o in self.rounds[key].outs)
+
+    def probe(self, ids: list[int], prefixes: list[list[int]], tokens: np.ndarray) -> np.ndarray:
+        """The draft's processed log p of `tokens` (R, M) after each prefix, from its engine."""
+        sids = [f"{self.prefix}{i}" for i in ids]
+        self.lookups += len(sids)
+        return self.sessions.lookup(list(zip(sids, prefixes, tokens, strict=True)))
+
+    def lookahead(self, key: int) -> tuple[np.ndarray, ListedRows] | None:
+        r = self.rounds.pop(key)
+        has = np.array([len(o.token_ids) > b for o, b in zip(r.outs, r.budget, strict=True)])
+        if not has.any():
+            return None
+        extra = [o.row(b) for o, b, h in zip(r.outs, r.budget, has, strict=True) if h]
+        return has, ListedRows(np.stack([i for i, _ in extra]), np.stack([v for _, v in extra]))
+
+
+def draft_tables(outs: list, budget: list[int]) -> tuple[torch.Tensor, torch.Tensor, ListedRows]:
+    """Proposals (B, k) with -1 padding, their number (B,) and the draft's listed log-probs, one
+    row per proposal (sampled token, then the top-K, processed), from the sessions' chunks (the
+    first budget[b] tokens of each: a chunk may run on to draft a lookahead token)."""
+    have = np.array([len(o.token_ids) for o in outs])  # sampled tokens: one listed row each
+    ids = np.concatenate([block for o in outs for block in o.logprob_ids])
+    values = np.concatenate([block for o in outs for block in o.logprobs])
+    start = np.cumsum(have) - have  # each chunk's first row
+    num = np.minimum(have, budget)
+    seq = np.repeat(np.arange(len(outs)), num)
+    at = np.arange(len(seq)) - np.repeat(np.cumsum(num) - num, num)  # position within the chunk
+    rows = ListedRows(ids[start[seq] + at], values[start[seq] + at])
+    proposals = np.full((len(outs), max(budget)), -1, dtype=np.int64)
+    proposals[seq, at] = rows.ids[:, 0]
+    return torch.from_numpy(proposals), torch.from_numpy(num), rows
