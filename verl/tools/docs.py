@@ -29,6 +29,7 @@ from verl.trainer.core_algos.policy_loss import PolicyLossConfig
 from verl.utils.metric_reference import SECTIONS, in_section
 from verl.workers.actor.config import ActorConfig
 from verl.workers.rollout.config import OffPolicyGuidanceConfig
+from verl.workers.rollout.multi_turn.config import MultiTurnConfig
 
 GUIDE = Path(__file__).resolve().parents[2] / "README_guidance.md"
 
@@ -160,6 +161,7 @@ BLOCKS = {
         ]
     ),
     "algorithms": algorithm_table,
+    "knobs-multi-turn": lambda: knob_table(MultiTurnConfig, "worker.rollout.multi_turn"),
     "metrics": metric_reference,
 }
 """Generated block name -> its Markdown."""

@@ -143,6 +143,21 @@ def resolve_rewards(config: PPOConfig) -> list[str]:
     return specs
 
 
+def resolve_tools(config: PPOConfig) -> list[str]:
+    """Load `worker.rollout.multi_turn.tools` when multi-turn is on (files are imported); the
+    names loaded, or ConfigError in one line naming the key."""
+    from verl.workers.rollout.multi_turn import load_tools
+
+    multi_turn, key = config.worker.rollout.multi_turn, "worker.rollout.multi_turn.tools"
+    if not multi_turn.enable:
+        return []
+    try:
+        return list(load_tools(multi_turn.tools, key))
+    except (ValueError, FileNotFoundError, AttributeError, ImportError, TypeError) as error:
+        why = str(error).splitlines()[0].removeprefix(f"{key}: ")
+        raise ConfigError(f"{key}={list(multi_turn.tools)!r} does not resolve: {why}") from None
+
+
 def check_inputs(config: PPOConfig, download: bool = False) -> str:
     """Check what a run would load, loading nothing: model paths, data sources, reward functions,
     the format-prompt file (`--dry-run`; USAGE says how). `prepare` runs it first with `download`
@@ -171,9 +186,12 @@ def check_inputs(config: PPOConfig, download: bool = False) -> str:
     if prompt and not os.path.isfile(prompt):
         raise FileNotFoundError(f"data.format_prompt: file {prompt!r} not found")
     rewards = " and ".join(repr(spec) for spec in resolve_rewards(config))
+    tools = resolve_tools(config)
     notes = [f"not cached here, downloaded by the run: {', '.join(pending)}"] if pending else []
     if built_later:
         notes.append(f"embedded, built by the run: {', '.join(built_later)}")
+    if tools:
+        notes.append(f"tools {', '.join(tools)}")
     return (f"dry run: config valid; checked {len(models)} model paths, {len(data)} data sources, "
             f"reward {rewards}{''.join(f'; {note}' for note in notes)}; nothing loaded")  # fmt: skip
 

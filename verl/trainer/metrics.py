@@ -31,9 +31,12 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 def compute_data_metrics(batch: DataProto, components: dict[str, list[float]]) -> dict[str, float]:
     """critic/score/* (per-response reward and its components), critic/advantages/*,
-    response_length/* (tokens, clip ratio at the length limit)."""
+    response_length/* (tokens, tool tokens of multi-turn episodes included; clip ratio at the
+    length limit)."""
     mask = batch.batch["response_mask"]
     lengths = mask.sum(-1)
+    if "tool_mask" in batch.batch.keys():  # multi-turn: tool tokens are part of the response
+        lengths = lengths + batch.batch["tool_mask"].sum(-1)
     scores = batch.batch["token_level_scores"].sum(-1)
     metrics = {**_stats("critic/score", scores), **_stats("response_length", lengths)}
     metrics["response_length/clip_ratio"] = (lengths >= mask.shape[-1]).float().mean().item()

@@ -50,6 +50,7 @@ from verl.utils.tracking import Tracking
 from verl.workers.fsdp_workers import FSDPWorker
 from verl.workers.placement import Placement
 from verl.workers.reward.function import FunctionRewardManager
+from verl.workers.rollout.multi_turn_mode import multi_turn_metrics
 from verl.workers.rollout.worker import RolloutGroup
 from verl.workers.worker_group import RayWorkerGroup, reduce_metrics
 
@@ -200,6 +201,7 @@ class RayPPOTrainer:
             metrics[M.GUIDANCE_TOPK_TAIL_MASS] = meta["topk_tail_mass"]
         if "target_tv" in meta:
             metrics[M.GUIDANCE_TARGET_TV] = meta["target_tv"]
+        metrics.update(multi_turn_metrics(out.batch))
         out.meta_info = {"temperature": cfg.worker.rollout.temperature, "lam": meta.get("lam", 0.0)}
         return out
 

@@ -19,6 +19,7 @@ NAMESPACES = (
     "timing_s",
     "perf",
     "val",
+    "multiturn",
 )
 
 # guidance/*: provenance and importance-weight statistics of guided rollouts. A metric averages
@@ -129,6 +130,13 @@ TIMING_SYNC_WEIGHTS = "timing_s/sync_weights"
 VAL_REWARD_SCORE = "val/reward_score"
 VAL_RESPONSE_LENGTH = "val/response_length"
 VAL_GENERATIONS = "val/generations"  # a wandb table (file logger: <run>/val_generations.jsonl)
+
+# multiturn/*: tool-using episodes (worker.rollout.multi_turn), from the packed batch.
+MULTITURN_TURNS_MEAN = "multiturn/turns_mean"
+MULTITURN_TOOL_CALLS_MEAN = "multiturn/tool_calls_mean"
+MULTITURN_TOOL_ERROR_FRAC = "multiturn/tool_error_frac"
+MULTITURN_TRUNCATED_FRAC = "multiturn/truncated_frac"
+MULTITURN_TOOL_TOKEN_FRAC = "multiturn/tool_token_frac"
 
 # Families whose last part is a reward component returned by the reward function (e.g. accuracy).
 FAMILIES = ("critic/score/<component>", "val/score/<component>")

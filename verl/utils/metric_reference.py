@@ -29,10 +29,11 @@ SECTIONS = (
     "Actor",
     "Rewards",
     "Timing",
+    "Multi-turn",
 )
 """Dashboard sections, in the order they appear (README_guidance.md groups the reference alike)."""
 
-_G, _O, _MM, _V, _D, _A, _R, _T = SECTIONS
+_G, _O, _MM, _V, _D, _A, _R, _T, _MT = SECTIONS
 
 _DOCS = (
     # ---------------------------------------------------------------- Guidance
@@ -185,6 +186,12 @@ _DOCS = (
     MetricDoc(M.PERF_TIME_PER_STEP, _T, "Wall seconds of the whole step.", "—"),
     MetricDoc(M.PERF_TOTAL_NUM_TOKENS, _T, "Prompt + response tokens of the batch.", "—"),
     MetricDoc(M.PERF_THROUGHPUT, _T, "Tokens per second per actor rank.", "—"),
+    # ---------------------------------------------------------------- Multi-turn
+    MetricDoc(M.MULTITURN_TURNS_MEAN, _MT, "Mean policy turns per episode (`worker.rollout.multi_turn`).", "Between 1 and `max_turns`; 1 means the policy never calls a tool."),
+    MetricDoc(M.MULTITURN_TOOL_CALLS_MEAN, _MT, "Mean tool calls run per episode.", "—"),
+    MetricDoc(M.MULTITURN_TOOL_ERROR_FRAC, _MT, "Share of the tool calls run whose status is not ok (a raising tool, a timeout, an unknown tool, a malformed call).", "Low, and falling as the policy learns the call format."),
+    MetricDoc(M.MULTITURN_TRUNCATED_FRAC, _MT, "Share of episodes cut: the response budget ran out, or `max_turns` was reached with calls left unanswered.", "Near 0; raise `response_length` or `max_turns` if not."),
+    MetricDoc(M.MULTITURN_TOOL_TOKEN_FRAC, _MT, "Tool tokens (response_mask 0: context, never trained on) over all kept response tokens.", "—"),
 )  # fmt: skip
 
 METRIC_DOCS: dict[str, MetricDoc] = {doc.name: doc for doc in _DOCS}

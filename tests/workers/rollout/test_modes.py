@@ -35,6 +35,12 @@ def test_pick_mode(fields, meta, expected):
 
 
 def test_every_mode_pick_mode_names_is_registered():
-    assert GENERATION_MODES.names() == ["draft_only", "mix", "speculative", "teacher_only_prefill"]
+    assert GENERATION_MODES.names() == [
+        "draft_only",
+        "mix",
+        "multi_turn",
+        "speculative",
+        "teacher_only_prefill",
+    ]
     with pytest.raises(ValueError, match="unknown generation mode 'x'; valid: draft_only, mix"):
         GENERATION_MODES.get("x")

@@ -82,6 +82,8 @@ class FunctionRewardManager:
 
     def _inputs(self, data: DataProto) -> list[dict]:
         responses, mask = data.batch["responses"], data.batch["response_mask"]
+        if "tool_mask" in data.batch.keys():  # multi-turn: the whole trajectory, tool results too
+            mask = mask + data.batch["tool_mask"]
         lengths = mask.sum(-1).long().tolist()
         texts = self.tokenizer.batch_decode(
             [r[:n].tolist() for r, n in zip(responses, lengths, strict=True)],
@@ -124,6 +126,8 @@ class FunctionRewardManager:
         mask = data.batch["response_mask"]
         token_scores = torch.zeros_like(mask, dtype=torch.float32)
         last = (mask.sum(-1).long() - 1).clamp(min=0)
+        if "tool_mask" in data.batch.keys():  # multi-turn: the last policy token, not a tool one
+            last = mask.shape[-1] - 1 - mask.flip(-1).argmax(-1)
         overall = torch.tensor([float(s["overall"]) for s in scores])
         token_scores[torch.arange(len(scores)), last] = overall * (mask.sum(-1) > 0)
         components = {k: [float(s[k]) for s in scores] for k in scores[0]}

@@ -8,6 +8,7 @@ from typing import Any
 
 from verl.trainer.core_algos.guidance import BEHAVIORS, GUIDANCE_MODES, LAM_GATES, LAM_SCHEDULES
 from verl.utils.config_checks import check_choice, check_fields, check_range, fail
+from verl.workers.rollout.multi_turn.config import MultiTurnConfig
 
 TEACHER_SCORING = ("overlap", "prefill")
 """How the guidance scores the draft's tokens at λ = 0 (`VLLMRollout.generate_sequences`)."""
@@ -199,6 +200,8 @@ class RolloutConfig:
     """Sampling fields that differ during validation: n, temperature (VAL_OVERRIDE_FIELDS; e.g. {temperature: 0, n: 1})."""
     offpolicy_guidance: OffPolicyGuidanceConfig = field(default_factory=OffPolicyGuidanceConfig)
     """The guidance engine and its mixing rule."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn, tool-using episodes (draft-only for now: refused with guidance)."""
     prompt_length: int = -1
     """auto: data.max_prompt_length."""
     response_length: int = -1
@@ -238,6 +241,11 @@ class RolloutConfig:
         check_sampling_fields(f"{prefix}.val_override_config", self.val_override_config,
                               VAL_OVERRIDE_FIELDS, greedy=True)  # fmt: skip
         self.offpolicy_guidance.validate(f"{prefix}.offpolicy_guidance", self.n)
+        self.multi_turn.validate(f"{prefix}.multi_turn")
+        if self.multi_turn.enable and self.offpolicy_guidance.enable:
+            fail(f"{prefix}.multi_turn.enable", True,
+                 "multi-turn rollouts run draft-only for now; guidance across turns is not implemented yet "
+                 f"(set {prefix}.offpolicy_guidance.enable=false)")  # fmt: skip
         shared = self.offpolicy_guidance.num_replicas
         if self.num_replicas is not None and shared is not None and shared > self.num_replicas:
             fail(f"{prefix}.offpolicy_guidance.num_replicas", shared,

@@ -6,7 +6,9 @@
 - "mix": the first `mix_num_samples` responses of each prompt sampled whole by the guidance;
 - "teacher_only_prefill": λ = 0 by prefill, the draft samples, the guidance scores each
   response in one prefill (`teacher_scoring: prefill`);
-- "speculative": speculative rounds toward q_λ on both engines (`speculative_mode.py`).
+- "speculative": speculative rounds toward q_λ on both engines (`speculative_mode.py`);
+- "multi_turn": tool-using episodes by the draft alone (`multi_turn_mode.py`, registered there;
+  picked whenever `multi_turn.enable`, validation included).
 
 A mode uses the rollout's engines (`engines`, `draft_sessions`, `cores_to`), its sampling
 settings of the call (`_draft_only`, `_sampling_kwargs`, `_guidance_processing`, `_max_tokens`,
@@ -50,11 +52,13 @@ class Job:
 @dataclass
 class Generated:
     """What a mode generated: the B sequences, its round counters (speculative rounds only) and
-    which responses were sampled with λ > 0 ((B,) bool; None: none)."""
+    which responses were sampled with λ > 0 ((B,) bool; None: none). The multi-turn mode gives
+    its episodes already packed (`multi_turn.pack`) in `packed` instead of `seqs`."""
 
     seqs: list[GuidedSequence]
     stats: RoundStats | None = None
     guided: np.ndarray | None = None
+    packed: dict | None = None
 
 
 ModeFn = Callable[[Any, Job], Generated]
@@ -185,3 +189,7 @@ def _gate(name: str, tau: float) -> Callable[[np.ndarray], np.ndarray] | None:
         return None
     gate = LAM_GATES.get(name)
     return lambda entropy: gate(entropy, tau)
+
+
+# registers "multi_turn" (its module needs this one's Job and Generated, so it comes last)
+import verl.workers.rollout.multi_turn_mode  # noqa: E402, F401

@@ -27,6 +27,7 @@ from verl.protocol import DataProto
 from verl.workers.rollout.config import RolloutConfig
 from verl.workers.rollout.engine_lifecycle import EngineLifecycle
 from verl.workers.rollout.modes import GENERATION_MODES, Job, pick_mode, whole_response
+from verl.workers.rollout.multi_turn_mode import multi_turn_dataproto
 from verl.workers.rollout.packing import Counters, to_dataproto, unpad_prompts
 from verl.workers.rollout.speculative import GuidedSequence
 from verl.workers.rollout.vllm_sessions import sampled_log_probs
@@ -48,8 +49,21 @@ class VLLMRollout(EngineLifecycle):
         own_guidance: bool = True,
     ) -> None:
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.model_path = model_path
         super().__init__(model_path, config, own_guidance)
         self._call = 0  # numbers the session ids of each wave
+        self._multi_turn_runtime = None
+
+    def multi_turn_runtime(self):
+        """The tools, call format and delta rule of `config.multi_turn` (built once)."""
+        if self._multi_turn_runtime is None:
+            from transformers import AutoTokenizer
+
+            from verl.workers.rollout.multi_turn import MultiTurnRuntime
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self._multi_turn_runtime = MultiTurnRuntime(self.config.multi_turn, tokenizer)
+        return self._multi_turn_runtime
 
     # ------------------------------------------------------------------ sampling settings
     def _draft_params(self, max_tokens: int, logprobs: int, seed: int, **overrides):
@@ -106,10 +120,20 @@ class VLLMRollout(EngineLifecycle):
         seeds = sequence_seeds(step_seed, int(meta.get("first_row", 0)), len(prompt_ids), n)
         self._counters = Counters()
         mode, lam = pick_mode(self.config.offpolicy_guidance, meta, n)
+        if self.config.multi_turn.enable:  # draft-only episodes (guidance refused by the config)
+            mode, lam = "multi_turn", 0.0
         result = GENERATION_MODES.get(mode)(self, Job(repeated, n, seeds, lam, meta))
+        if result.packed is not None:
+            out = multi_turn_dataproto(self.config.prompt_length, self.pad_token_id, repeated,
+                                       result.packed)  # fmt: skip
+            return self._finish(out, prompts, n, result, lam)
         guided = np.zeros(len(repeated), dtype=bool) if result.guided is None else result.guided
         out = to_dataproto(self.config, self.pad_token_id, self.num_logprobs, repeated,
                            result.seqs, lam, guided)  # fmt: skip
+        return self._finish(out, prompts, n, result, lam)
+
+    def _finish(self, out: DataProto, prompts: DataProto, n: int, result, lam: float) -> DataProto:
+        """The prompts' non-tensor fields repeated n times, and the call's counters as meta."""
         out.non_tensor_batch = {
             k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()
         }

@@ -50,18 +50,19 @@ and `compute` (score position: the last token with response_mask 1, the final tu
 score would land on a masked token and be lost), `RayPPOTrainer._val_samples` and
 `val/response_length`, `trainer/metrics.compute_data_metrics` (`response_length/*`, clip ratio).
 
+Wiring done: `RolloutConfig.multi_turn` (validated; refused with guidance), `main.resolve_tools`
+in `check_inputs`, the draft-only `multi_turn` generation mode (`../multi_turn_mode.py`), the
+multiturn/* metric names, `response_length/*` counting tool tokens.
+
 Wiring left to do
 -----------------
-- `RolloutConfig.multi_turn: MultiTurnConfig`, validated by
-  `multi_turn.validate(f"{prefix}.multi_turn")`.
-- `main.check_inputs`: `load_tools(config.worker.rollout.multi_turn.tools)` (imports the files),
-  errors made one-line as `resolve_rewards` does; `load_reward_function` can delegate to
+- Guidance across turns (steps 1 and 4 above on the sessions of both engines).
+- `load_reward_function` can delegate to
   `verl.utils.user_functions.load_function(spec, REWARD_FUNCTIONS, "worker.reward.reward_function")`
   (same errors, tested).
 - The prompts: `runtime.instructions()` as a system message (or `tools=` of
   `apply_chat_template` where the template renders tools itself, e.g. Qwen2.5).
-- Metric names (`verl/utils/metric_names.py`) for pack's counts and the tool statuses
-  (`tools.TOOL_STATUSES`), and the tool-delta truncations.
+- Per-status tool metrics (`tools.TOOL_STATUSES`) and the tool-delta truncations.
 """
 
 from verl.workers.rollout.multi_turn.config import MultiTurnConfig
