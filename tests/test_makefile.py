@@ -3,6 +3,7 @@ variable, which make would silently keep to itself) is refused in one line point
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,8 +15,12 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU 
 
 
 def make_n(*args: str) -> subprocess.CompletedProcess:
-    """`make -n ARGS`: the commands make would run, none run."""
-    return subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    """`make -n ARGS`: the commands make would run, none run. Run as a user would from a shell:
+    under `make test` the parent make's MAKELEVEL/MAKEFLAGS would make this one a sub-make that
+    prints "Entering directory" lines and inherits the parent's flags."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    return subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=env)  # fmt: skip
 
 
 def test_make_demo_passes_args_to_the_demo():
