@@ -131,7 +131,7 @@ GUIDED_KEYS = ["guidance/offpolicy_token_ratio", "guidance/is_weight_mean", "gui
                  "worker": {"actor": {"calculate_sum_pi_squared": True}}},
          [*GUIDED_KEYS, "variance_proxy/proxy2_total_power", "guidance/guided_grad_share"]),
         ("opsm", {"algorithm": {"opsm_delta": 0.0}}, [*GUIDED_KEYS, "actor/opsm_masked_seq_frac"]),
-        ("cppo", {"worker": {"actor": {"loss_type": "cppo"}}}, GUIDED_KEYS),
+        ("cppo", {"worker": {"actor": {"policy_loss": {"loss_type": "cppo"}}}}, GUIDED_KEYS),
         ("two_replicas", {"worker": {"rollout": {"num_replicas": 2, "offpolicy_guidance": {"num_replicas": 1}}},
                           "data": {"val_files": "embedded://arithmetic@test"}}, [*GUIDED_KEYS, "guidance/accept_rate"]),
         ("distill_reward", {"algorithm": {"distill": {"coef": 0.5}}}, [*GUIDED_KEYS, *DISTILL_KEYS]),
