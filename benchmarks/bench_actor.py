@@ -1,10 +1,20 @@
-"""Actor benchmark: cost of Σπ² in `compute_log_prob`, as ratios measured in one run.
+"""Actor benchmark: cost of Σπ² in `compute_log_prob`, and the worker path against plain HF, as
+ratios measured in one run.
 
 1. Tokens/s of compute_log_prob without and with Σπ² (alternated repeats, medians).
    Goal: Σπ² adds at most 5 %.
 2. Peak extra memory of one compute_log_prob pass without Σπ², with Σπ², and with Σπ²
    checkpointing (LM head in chunks), each in a fresh subprocess (peak RSS above a baseline taken
    after the model and batch exist; torch.cuda.max_memory_allocated on GPU).
+3. `--worker arithmetic|runsum` (CPU): the trainer's path, `FSDPWorker` (1 rank, FSDP2 on gloo)
+   driven through `RayWorkerGroup` as `RayPPOTrainer` drives it, with the actor settings of
+   examples/grpo_guided.yaml, against a plain HF forward/backward of the same model, tokens and
+   micro-batching in this process (padded micro-batches, the PPO clipped token-mean loss,
+   AdamW), for compute_log_prob and for update_actor, alternated; the worker's time is split
+   into stages (Ray + DataProto transfer, forward, backward, optimizer, the rest) by timers the
+   worker installs around its own calls. Shapes: `arithmetic` is the demo's (hidden 256 x 4
+   layers, 512 x (8 + 4) tokens, mini-batches of 256), `runsum` the evidence's (hidden 128 x 2
+   layers, 256 x (21 + 21) tokens, mini-batches of 128); randomly initialised weights.
 
 The model is a randomly initialised Qwen2 (default hidden 512, 4 layers, vocab 32768) so the
 vocabulary-to-width ratio resembles real models; on this 2-core CPU absolute times are noisy.
@@ -12,16 +22,21 @@ vocabulary-to-width ratio resembles real models; on this 2-core CPU absolute tim
 Usage:
     python benchmarks/bench_actor.py
     python benchmarks/bench_actor.py --hidden 256 --layers 2 --vocab 16384 --batch 8 --repeats 3
+    python benchmarks/bench_actor.py --worker arithmetic --worker runsum --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -144,6 +159,230 @@ def bench_memory(argv: list[str]) -> dict[str, float]:
     }
 
 
+# ---------------------------------------------------------------- worker path vs plain HF
+ROOT = Path(__file__).resolve().parents[1]
+WORKER_SHAPES = {  # the embedded tasks' models and one step's batch (see verl/utils/embedded.py)
+    "arithmetic": {"hidden": 256, "layers": 4, "batch": 512, "prompt": (4, 8), "response": (1, 4),
+                   "global_batch_size": 256},
+    "runsum": {"hidden": 128, "layers": 2, "batch": 256, "prompt": (21, 21), "response": (21, 21),
+               "global_batch_size": 128},
+}  # fmt: skip
+STAGES = ("forward", "backward", "optimizer")
+
+
+def paired_ratio_ci(a: list[float], b: list[float], draws: int = 2000) -> tuple[float, float]:
+    """95 % paired-bootstrap interval of median(a) / median(b) (pairs resampled together)."""
+    rng, pairs, ratios = random.Random(0), list(zip(a, b, strict=True)), []
+    for _ in range(draws):
+        sample = [rng.choice(pairs) for _ in pairs]
+        ratios.append(
+            statistics.median(x for x, _ in sample) / statistics.median(y for _, y in sample)
+        )
+    ratios.sort()
+    return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
+
+
+def worker_batch(shape: dict, seed: int = 0):
+    """One step's batch (uids, old log-probs and advantages as the trainer sends them)."""
+    (p_min, p_max), (r_min, r_max) = shape["prompt"], shape["response"]
+    data = synthetic_rl_batch(shape["batch"], p_max, r_max, vocab_size=100, seed=seed, group_size=8,
+                              min_prompt=p_min, min_response=r_min)  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    mask = data.batch["response_mask"]
+    data.batch["old_log_probs"] = -torch.rand(mask.shape, generator=gen) * mask
+    data.batch["advantages"] = torch.randn(len(data), 1, generator=gen).expand_as(mask) * mask
+    data.meta_info["temperature"] = 1.0
+    return data
+
+
+def worker_config(model_path: str, shape: dict):
+    """examples/grpo_guided.yaml's worker settings on `model_path` (mini-batch per `shape`)."""
+    from verl.trainer.config import load_config
+
+    cfg = load_config([f"config={ROOT / 'examples' / 'grpo_guided.yaml'}",
+                       f"worker.actor.model.model_path={model_path}",
+                       f"worker.actor.global_batch_size={shape['global_batch_size']}",
+                       "worker.rollout.offpolicy_guidance.enable=false"]).worker  # fmt: skip
+    cfg.actor.optim.training_steps = 1000
+    return cfg
+
+
+def make_probe_worker():
+    """FSDPWorker plus `timed`: run a method, returning its result, its wall time and the time of
+    its stages (timers around the actor's forward, backward and optimizer calls)."""
+    from verl.workers.fsdp_workers import FSDPWorker
+
+    class ProbeWorker(FSDPWorker):
+        def timed(self, data, stage_method: str):
+            stages = dict.fromkeys(STAGES, 0.0)
+            actor, backward = self.actor, torch.Tensor.backward
+
+            def timer(stage: str, fn):
+                def run(*args, **kwargs):
+                    start = time.perf_counter()
+                    try:
+                        return fn(*args, **kwargs)
+                    finally:
+                        stages[stage] += time.perf_counter() - start
+
+                return run
+
+            actor._response_logits = timer("forward", actor._response_logits)
+            actor._clip_and_step = timer("optimizer", actor._clip_and_step)
+            torch.Tensor.backward = timer("backward", backward)
+            start = time.perf_counter()
+            try:
+                out = getattr(self, stage_method)(data)
+            finally:
+                torch.Tensor.backward = backward
+                del actor._response_logits, actor._clip_and_step
+            return out, time.perf_counter() - start, stages
+
+    return ProbeWorker
+
+
+def plain_hf(model, data, cfg):
+    """compute_log_prob and update written plainly on `model`: padded micro-batches of the
+    worker's sizes, logits of the last T+1 positions, the PPO clipped token-mean loss, AdamW
+    (torch defaults), gradient clipping."""
+    actor, loss_cfg = cfg.actor, cfg.actor.policy_loss
+    optimizer = torch.optim.AdamW(model.parameters(), lr=actor.optim.lr, betas=tuple(actor.optim.betas),
+                                  weight_decay=actor.optim.weight_decay)  # fmt: skip
+    resp_len = data.batch["responses"].shape[1]
+
+    def log_probs(batch):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"], use_cache=False,
+                       logits_to_keep=resp_len + 1).logits[:, :-1]  # fmt: skip
+        return (
+            torch.log_softmax(logits.float(), -1)
+            .gather(-1, batch["responses"].unsqueeze(-1))
+            .squeeze(-1)
+        )
+
+    def compute_log_prob():
+        model.eval()
+        with torch.no_grad():
+            return torch.cat(
+                [
+                    log_probs(m.batch)
+                    for m in data.split(actor.micro_batch_size_per_device_for_experience)
+                ]
+            )
+
+    def update():
+        model.train()
+        for mini in data.split(actor.global_batch_size):
+            optimizer.zero_grad(set_to_none=True)
+            tokens = mini.batch["response_mask"].sum()
+            for micro in mini.split(actor.micro_batch_size_per_device_for_update):
+                b = micro.batch
+                ratio = torch.exp(log_probs(b) - b["old_log_probs"])
+                clipped = ratio.clamp(1 - loss_cfg.clip_ratio_low, 1 + loss_cfg.clip_ratio_high)
+                surrogate = torch.min(ratio * b["advantages"], clipped * b["advantages"])
+                (-(surrogate * b["response_mask"]).sum() / tokens).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), actor.max_grad_norm)
+            optimizer.step()
+
+    return compute_log_prob, update
+
+
+@contextmanager
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def bench_worker(task: str, repeats: int) -> dict[str, dict]:
+    """Alternated repeats of worker compute_log_prob, plain HF log-probs, worker update, plain HF
+    update; medians, ratios worker / plain HF with a paired-bootstrap interval, the stages."""
+    from transformers import AutoModelForCausalLM
+
+    from verl.protocol import DataProto
+    from verl.utils.tiny_lm import save_tiny_lm
+    from verl.workers.worker_group import RayWorkerGroup
+
+    shape = WORKER_SHAPES[task]
+    spec = TinyLMSpec(
+        hidden_size=shape["hidden"], num_hidden_layers=shape["layers"], vocab_size=128, seed=12
+    )
+    data = worker_batch(shape)
+    tokens = int(data.batch["attention_mask"].sum())
+    with tempfile.TemporaryDirectory() as tmp, ray_session():
+        path = save_tiny_lm(tmp, spec)
+        cfg = worker_config(path, shape)
+        group = RayWorkerGroup(make_probe_worker(), 1, cfg, "actor")
+        group.execute_all("init_model")
+        torch.set_num_threads(os.cpu_count() or 1)  # the worker's: cpu_count // world_size
+        hf_lp, hf_update = plain_hf(
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), data, cfg
+        )
+
+        def worker(method: str):
+            def run():
+                results = group.execute_dp("timed", data, stage_method=method)
+                if method == "compute_log_prob":
+                    DataProto.concat([r[0] for r in results]).unpad(group._last_pad)
+                return results[0][1], results[0][2]
+
+            return run
+
+        calls = {"compute_log_prob": (worker("compute_log_prob"), hf_lp),
+                 "update_actor": (worker("update_actor"), hf_update)}  # fmt: skip
+        times = {
+            m: {"worker": [], "inside": [], "hf": [], **{s: [] for s in STAGES}} for m in calls
+        }
+        for run_worker, run_hf in calls.values():  # warm-up
+            run_worker()
+            run_hf()
+        for _ in range(repeats):
+            for method, (run_worker, run_hf) in calls.items():
+                for side in ("worker", "hf"):
+                    start = time.perf_counter()
+                    inside = run_worker() if side == "worker" else run_hf()
+                    times[method][side].append(time.perf_counter() - start)
+                    if side == "worker":
+                        times[method]["inside"].append(inside[0])
+                        for stage in STAGES:
+                            times[method][stage].append(inside[1][stage])
+        group.shutdown()
+    print(f"[worker {task}] hidden {shape['hidden']} x {shape['layers']} layers, {shape['batch']} responses, "
+          f"{tokens} valid tokens; micro-batches {cfg.actor.micro_batch_size_per_device_for_experience} "
+          f"(log-prob) / {cfg.actor.micro_batch_size_per_device_for_update} (update), gradient checkpointing "
+          f"{cfg.actor.model.enable_gradient_checkpointing}, padding-free {cfg.actor.padding_free}")  # fmt: skip
+    report = {}
+    for method, t in times.items():
+        med = {k: statistics.median(v) for k, v in t.items() if v}
+        low, high = paired_ratio_ci(t["worker"], t["hf"])
+        pairs = sorted(a / b for a, b in zip(t["worker"], t["hf"], strict=True))
+        ray_s = statistics.median(a - b for a, b in zip(t["worker"], t["inside"], strict=True))
+        rest = statistics.median(
+            i - sum(t[s][k] for s in STAGES) for k, i in enumerate(t["inside"])
+        )
+        stages = {
+            "Ray + DataProto transfer": ray_s,
+            **{s: med[s] for s in STAGES},
+            "rest in the worker": rest,
+        }
+        report[method] = {"worker_s": med["worker"], "hf_s": med["hf"], "ratio": med["worker"] / med["hf"],
+                          "ci": (low, high), "pairs": (pairs[0], pairs[-1]), "stages": stages}  # fmt: skip
+        print(f"[worker {task}] {method:16s} worker {med['worker']:7.3f} s  plain HF {med['hf']:7.3f} s  "
+              f"worker/HF {med['worker'] / med['hf']:.2f}x (95 % CI {low:.2f}-{high:.2f}; pairs "
+              f"{pairs[0]:.2f}-{pairs[-1]:.2f}; {repeats} repeats)")  # fmt: skip
+        for stage, seconds in stages.items():
+            if stage in ("backward", "optimizer") and method == "compute_log_prob":
+                continue
+            print(
+                f"[worker {task}]     {stage:26s} {seconds:7.3f} s  {seconds / med['worker']:6.1%}"
+            )
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -160,6 +399,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--worker", action="append", choices=list(WORKER_SHAPES), default=[],
+                        help="(CPU) only the worker path vs plain HF on this embedded task's shape; repeatable")  # fmt: skip
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = (
@@ -167,6 +408,15 @@ def main() -> None:
     )
     if args._child:
         child_main(args, args._child, device)
+        return
+    if args.worker:
+        reports = {task: bench_worker(task, args.repeats) for task in args.worker}
+        print("\n=== summary (ratios from one run) ===")
+        for task, report in reports.items():
+            for method, r in report.items():
+                print(
+                    f"{task} {method}: worker/plain HF {r['ratio']:.2f}x (95 % CI {r['ci'][0]:.2f}-{r['ci'][1]:.2f})"
+                )
         return
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {device}; model hidden {args.hidden} x {args.layers} layers, "

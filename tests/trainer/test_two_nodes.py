@@ -13,28 +13,49 @@ from test_e2e_training import assert_trained, overrides
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("dedicated", [0, 1], ids=["colocated", "dedicated"])
-def test_two_guided_steps_spread_over_two_nodes(assets, tmp_path, monkeypatch, dedicated):
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A two-node Ray cluster on this machine that this process has joined, shared by the module's
+    runs (each trainer removes its placement groups when it shuts down)."""
     import ray
     from ray.cluster_utils import Cluster
 
     from verl.trainer.config import load_config
-    from verl.trainer.main import prepare, start_ray
-    from verl.trainer.ray_trainer import RayPPOTrainer
+    from verl.trainer.main import start_ray
 
+    assert not ray.is_initialized(), (
+        "another Ray session is still up: the run would not join the cluster"
+    )
     # 2 CPUs a node: one bundle of a rank and a replica (1.5) fits, two do not; a dedicated
     # guidance bundle (0.5) fits beside it
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("RAY_ADDRESS", cluster.address)
+            start_ray(load_config())  # joins RAY_ADDRESS
+            yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.parametrize("dedicated", [0, 1], ids=["colocated", "dedicated"])
+def test_two_guided_steps_spread_over_two_nodes(assets, tmp_path, two_nodes, dedicated):
+    import ray
+
+    from verl.trainer.config import load_config
+    from verl.trainer.main import prepare
+    from verl.trainer.ray_trainer import RayPPOTrainer
+
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2
     run_dir = str(tmp_path / "run")
     extra = {"trainer": {"nnodes": 2, "n_gpus_per_node": 1, "val_before_train": False},
              "worker": {"rollout": {"num_replicas": 2, "offpolicy_guidance": {"n_gpus_per_node": dedicated}}}}  # fmt: skip
     trainer = None
     try:
         prepared = prepare(load_config(overrides=overrides(assets, run_dir, **extra)))
-        start_ray(prepared.config)  # joins RAY_ADDRESS
         trainer = RayPPOTrainer(prepared.config, prepared.train, prepared.val, prepared.reward,
                                 prepared.val_reward)  # fmt: skip
         trainer.init_workers()
@@ -54,8 +75,6 @@ def test_two_guided_steps_spread_over_two_nodes(assets, tmp_path, monkeypatch, d
     finally:
         if trainer is not None:
             trainer.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
     nodes = [node for node, _ in ranks]
     assert len(set(nodes)) == 2  # rank 0 on one node, rank 1 on the other, each in its node's group
     assert [group for _, group in ranks] == groups["main"]

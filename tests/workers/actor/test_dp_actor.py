@@ -83,6 +83,45 @@ def test_padded_and_padding_free_paths_agree(model, batch):
     torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+def test_packed_rows_hold_at_most_the_token_budget(model, batch):
+    """Padding-free under sdpa: the sequences bin-packed into rows of at most the budget (a longer
+    sequence alone), tails padded with positions restarting at 0; the picks point at the tokens
+    that predict each valid response token, in row-major order."""
+    actor = make_actor(model)
+    micro = dict(batch.batch.items())
+    keep = micro["attention_mask"].bool()
+    lengths = keep.sum(-1).tolist()
+    actor.packed_row_tokens = max(lengths) + 1
+    kwargs, pick = actor._model_inputs(micro)
+    ids, pos = kwargs["input_ids"], kwargs["position_ids"]
+    assert ids.shape[0] > 2 and ids.shape[1] <= max(lengths) + 1
+    flat_ids, flat_pos = ids.flatten(), pos.flatten()
+    mask = micro["response_mask"].bool()
+    assert flat_ids[pick + 1].tolist() == micro["responses"][mask].tolist()  # the next token
+    assert (flat_pos[pick + 1] - flat_pos[pick]).eq(1).all()  # within one sequence
+    # every valid token once (the synthetic batch's tokens are >= 1); the rest is tail padding
+    assert sorted(flat_ids[flat_ids.ne(0)].tolist()) == sorted(micro["input_ids"][keep].tolist())
+    actor.packed_row_tokens = None  # the rule: max(hidden_size, longest sequence) under sdpa
+    assert actor._model_inputs(micro)[0]["input_ids"].shape[0] == 1  # 8 short rows fit 128
+
+
+@pytest.mark.parametrize("budget", [1, 12, 25])
+def test_packed_rows_give_plain_hf_log_probs_entropy_and_sum_pi_squared(model, batch, budget):
+    actor = make_actor(model)
+    actor.packed_row_tokens = budget  # 1: one sequence per row
+    out = actor.compute_log_prob(batch, calculate_entropy=True)
+    ref = reference_stats(model, batch, 0.7)
+    mask = batch.batch["response_mask"].bool()
+    for key in ("old_log_probs", "entropy", "sum_pi_squared"):
+        want = ref["log_probs" if key == "old_log_probs" else key]
+        torch.testing.assert_close(out.batch[key][mask], want[mask], rtol=0, atol=1e-5, msg=key)
+    chunked = make_actor(model, sum_pi_squared_checkpointing=True, sum_pi_squared_chunk_size=4)
+    chunked.packed_row_tokens = budget
+    again = chunked.compute_log_prob(batch, calculate_entropy=True)
+    for key in ("old_log_probs", "entropy", "sum_pi_squared"):
+        torch.testing.assert_close(again.batch[key], out.batch[key], rtol=0, atol=1e-6, msg=key)
+
+
 def _update_batch(model, batch, seed=0):
     data = copy.deepcopy(batch)
     out = make_actor(model).compute_log_prob(data)
@@ -149,6 +188,22 @@ def test_gradient_accumulation_equals_single_batch_update(model, batch, mode):
     assert _max_param_diff(accumulated, single) < 1e-6
     assert m_acc[M.ACTOR_PG_LOSS][0] == pytest.approx(m_one[M.ACTOR_PG_LOSS][0], abs=1e-6)
     assert m_acc[M.ACTOR_GRAD_NORM][0] == pytest.approx(m_one[M.ACTOR_GRAD_NORM][0], rel=1e-5)
+
+
+def test_update_over_packed_rows_equals_one_packed_row(model, batch):
+    """Packed rows of at most 12 tokens in one forward: the same step and metrics as one packed
+    row per micro-batch."""
+    data = _update_batch(model, batch, seed=5)
+    one_row, m_one = _step(model, data, micro_batch_size_per_device_for_update=8)
+    clone = copy.deepcopy(model)
+    actor = make_actor(clone, micro_batch_size_per_device_for_update=8)
+    actor.actor_optimizer = torch.optim.SGD(clone.parameters(), lr=0.5)
+    actor.packed_row_tokens = 12
+    m_rows = actor.update_policy(data)
+    assert _max_param_diff(clone, one_row) < 1e-6 and _max_param_diff(clone, model) > 1e-4
+    for key in (M.ACTOR_PG_LOSS, M.ACTOR_PG_CLIPFRAC, M.ACTOR_PPO_KL):
+        assert m_rows[key] == pytest.approx(m_one[key], abs=1e-6), key
+    assert m_rows[M.ACTOR_GRAD_NORM][0] == pytest.approx(m_one[M.ACTOR_GRAD_NORM][0], rel=1e-5)
 
 
 def test_non_finite_gradient_skips_the_step(model, batch):

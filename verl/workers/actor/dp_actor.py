@@ -5,8 +5,10 @@ runs on CPU (gloo) and GPU (nccl). Batches follow EasyR1's layout: `input_ids`,
 `attention_mask`, `position_ids` of shape (B, P+T) (left-padded prompt, right-padded response),
 `responses` and `response_mask` of shape (B, T). Only logits of valid response tokens are ever
 materialised: the padded path keeps the last T+1 positions, the padding-free path packs the
-micro-batch's valid tokens into one row (position ids restart per sequence, which transformers
-turns into a block-causal mask) and keeps exactly the predicting rows.
+micro-batch's valid tokens into rows without padding (position ids restart per sequence, which
+transformers turns into a block-causal mask; one row per micro-batch under flash-attention, rows
+of at most max(hidden_size, longest sequence) tokens under sdpa/eager, whose attention is dense
+over the row) and keeps exactly the predicting rows.
 """
 
 from __future__ import annotations
@@ -67,6 +69,24 @@ def root_unsharded(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         module.reshard()
+
+
+@contextmanager
+def head_rows(module: nn.Module, rows: torch.Tensor) -> Iterator[None]:
+    """Inside the block, `module`'s LM head (`get_output_embeddings()`) is applied only to `rows`,
+    flat positions into its (R, W, H) input, and returns (1, len(rows), V) logits: a forward over
+    several packed rows computes no logits that nothing reads (HF's `logits_to_keep` picks the
+    same positions in every row). The model's own forward runs, with all its hooks (FSDP's)."""
+
+    def pick(_: nn.Module, args: tuple) -> tuple:
+        hidden = args[0]
+        return (hidden.reshape(-1, hidden.shape[-1])[rows].unsqueeze(0), *args[1:])
+
+    handle = module.get_output_embeddings().register_forward_pre_hook(pick)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def token_stats(
@@ -146,52 +166,105 @@ class DataParallelPPOActor:
         self.lr_scheduler = lr_scheduler
         self.loss_config = config.policy_loss
         self.policy_loss_fn = get_policy_loss_fn(config.policy_loss.loss_type)
+        self.packed_row_tokens: int | None = None
+        """Padding-free: most tokens per packed row (None: `_packed_row_budget`'s rule)."""
 
     # ------------------------------------------------------------------ forward
+    def _packed_row_budget(self, lengths: list[int]) -> int | None:
+        """Most tokens in one packed row, or None (the whole micro-batch in one row).
+
+        With flash-attention (varlen) a packed row costs what its sequences cost apart. sdpa and
+        eager attend densely over the whole row under a block-causal mask, so one row of n tokens
+        costs O(n²): 256 responses of 42 tokens packed into one row of 10752 spend ~19x more on
+        attention than on the linear layers of a width-128 Qwen2 (MLP width 256, one KV head). Rows of at most
+        max(hidden_size, longest sequence) tokens bound that: dense attention over a row of L
+        tokens costs about 4·L·d FLOPs per token and layer, against 2·(8-12)·d² for the layer's
+        projections and MLP, so at L = d it adds about a fifth to a quarter.
+        `packed_row_tokens` (set on the instance) overrides the budget.
+        """
+        if self.packed_row_tokens is not None:
+            return max(self.packed_row_tokens, max(lengths))
+        config = getattr(self.actor_module, "config", None)
+        if getattr(config, "_attn_implementation", None) == "flash_attention_2":
+            return None
+        hidden = getattr(config, "hidden_size", None)
+        return None if hidden is None else max(int(hidden), max(lengths))
+
     def _model_inputs(
         self, micro: dict[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Model kwargs, and what picks the M rows predicting the valid response tokens.
+        """Model kwargs, and what picks the M positions predicting the valid response tokens.
 
-        Padding-free: the micro-batch's valid tokens packed into one row (position ids restart per
-        sequence), and a LongTensor of row indices into it. Padded: the (b, L) batch, and a bool
-        mask over (b, L) positions.
+        Padding-free: the micro-batch's valid tokens packed without padding into R rows (position
+        ids restart per sequence, which transformers turns into a block-causal mask): one row when
+        `_packed_row_budget` is None or everything fits it, else rows of at most that many tokens
+        (sequences bin-packed by `balanced_partition`; a row's unused tail holds padding tokens
+        whose positions restart at 0, a sequence of its own that nothing reads). The pick is a
+        LongTensor of M flat positions into the (R, W) rows, in the row-major order of the
+        micro-batch's valid response tokens. Padded: the (b, L) batch, and a bool mask over its
+        (b, L) positions.
         """
         ids, attn, pos = micro["input_ids"], micro["attention_mask"], micro["position_ids"]
         resp_len = micro["responses"].shape[1]
         valid = micro["response_mask"].bool()
-        if self.config.padding_free:
-            keep = attn.bool()
-            flat_index = keep.flatten().long().cumsum(0).view_as(keep) - 1
-            rows = flat_index[:, -resp_len:][valid] - 1  # a token's logit sits one position left
-            return {
-                "input_ids": ids[keep].unsqueeze(0),
-                "position_ids": pos[keep].unsqueeze(0),
-            }, rows
-        predicting = torch.zeros_like(attn, dtype=torch.bool)
-        predicting[:, -resp_len - 1 : -1] = valid
-        return {"input_ids": ids, "attention_mask": attn, "position_ids": pos}, predicting
+        if not self.config.padding_free:
+            predicting = torch.zeros_like(attn, dtype=torch.bool)
+            predicting[:, -resp_len - 1 : -1] = valid
+            return {"input_ids": ids, "attention_mask": attn, "position_ids": pos}, predicting
+        keep = attn.bool()
+        lengths = keep.sum(-1).tolist()
+        budget = self._packed_row_budget(lengths)
+        if budget is None or sum(lengths) <= budget:
+            bins = [list(range(len(lengths)))]  # one row, in the micro-batch's order
+        else:
+            bins = balanced_partition(lengths, budget)
+        totals = [sum(lengths[i] for i in members) for members in bins]
+        width, starts = max(totals), [0] * len(lengths)
+        for r, members in enumerate(bins):  # where each sequence starts in the flat (R·W) rows
+            offset = r * width
+            for i in members:
+                starts[i], offset = offset, offset + lengths[i]
+        place = torch.tensor(starts, device=ids.device).unsqueeze(1) + keep.long().cumsum(-1) - 1
+        flat = place[keep]  # the flat position of every valid token, in the batch's row-major order
+        packed_ids = ids.new_zeros(len(bins) * width)
+        packed_ids[flat] = ids[keep]
+        # a row's tail (padding) gets positions 0, 1, ... : a sequence of its own that nothing reads
+        columns = torch.arange(width, device=pos.device, dtype=pos.dtype)
+        packed_pos = (
+            columns - torch.tensor(totals, device=pos.device, dtype=pos.dtype).unsqueeze(1)
+        ).flatten()
+        packed_pos[flat] = pos[keep]
+        rows = place[:, -resp_len:][valid] - 1  # a token's logit sits one position left
+        shape = (len(bins), width)
+        return {"input_ids": packed_ids.view(shape), "position_ids": packed_pos.view(shape)}, rows
 
     def _response_logits(self, micro: dict[str, torch.Tensor]) -> torch.Tensor:
         """(M, V) logits predicting the M valid response tokens; nothing else leaves the model."""
         kwargs, pick = self._model_inputs(micro)
-        if pick.dtype != torch.bool:  # packed: ask the head for exactly those rows
+        if pick.dtype == torch.bool:
+            resp_len = micro["responses"].shape[1]
+            out = self.actor_module(**kwargs, use_cache=False, logits_to_keep=resp_len + 1)
+            return out.logits[pick[:, -resp_len - 1 :]]
+        if kwargs["input_ids"].shape[0] == 1:  # one packed row: ask the head for exactly those
             return self.actor_module(**kwargs, use_cache=False, logits_to_keep=pick).logits[0]
-        resp_len = micro["responses"].shape[1]
-        logits = self.actor_module(**kwargs, use_cache=False, logits_to_keep=resp_len + 1).logits
-        return logits[pick[:, -resp_len - 1 :]]
+        with head_rows(self.actor_module, pick):  # several rows: the head sees only the picks
+            logits = self.actor_module(**kwargs, use_cache=False).logits
+        if logits.shape[:2] != (1, len(pick)):
+            raise RuntimeError(f"{type(self.actor_module).__name__}'s head returned logits of shape "
+                               f"{tuple(logits.shape)}; expected (1, {len(pick)}, V)")  # fmt: skip
+        return logits[0]
 
     def _chunked_head_stats(
         self, micro: dict[str, torch.Tensor], temperature: float, entropy: bool
     ) -> dict:
         """Σπ² checkpointing: run the decoder once, then the LM head `chunk` rows at a time, so the
         (M, V) response logits are never held at once (memory O(chunk·V) instead of O(M·V))."""
-        kwargs, pick = self._model_inputs(micro)
         chunk = self.config.sum_pi_squared_chunk_size
         labels = micro["responses"][micro["response_mask"].bool()]
+        kwargs, pick = self._model_inputs(micro)
         with root_unsharded(self.actor_module):
             hidden = self.actor_module.get_decoder()(**kwargs, use_cache=False).last_hidden_state
-            hidden = hidden[0][pick] if pick.dtype != torch.bool else hidden[pick]
+            hidden = hidden.flatten(0, 1)[pick] if pick.dtype != torch.bool else hidden[pick]
             head = self.actor_module.get_output_embeddings()
             parts: dict[str, list[torch.Tensor]] = defaultdict(list)
             for start in range(0, hidden.shape[0], chunk):
