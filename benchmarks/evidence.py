@@ -103,7 +103,7 @@ THRESHOLD_GAINS = (0.20, 0.40)
 so the table shows +40 as well)."""
 TUNE_SEED = 99
 """The seed learning rates are tuned on (`--tune`); the table reports seeds 0, 1, 2, ..."""
-TUNE_LRS = {"arithmetic": (5e-5, 1e-4, 2e-4), "runsum": (1e-4, 3e-4, 1e-3)}
+TUNE_LRS = {"arithmetic": (5e-5, 1e-4, 2e-4), "runsum": (1e-4, 3e-4, 1e-3), "toolchain": (1e-4, 3e-4, 1e-3)}
 """Task -> the learning rates `tune` tries per cell (arithmetic: 5e-4 and up drove a draft to 0
 in earlier runs; runsum: around the 2e-4 a GRPO probe learned with, and 1e-3 because every cell
 picked the upper edge of (1e-4, 3e-4))."""
@@ -123,7 +123,8 @@ def load_picks(out: Path) -> dict[str, float] | None:
     return {name: c["pick"] for name, c in json.loads(path.read_text())["cells"].items()}
 
 
-TASK_DRAFTS = {"arithmetic": {"weak": "weak", "base": "draft"}, "runsum": {"student": "draft"}}
+TASK_DRAFTS = {"arithmetic": {"weak": "weak", "base": "draft"}, "runsum": {"student": "draft"},
+               "toolchain": {"student": "draft"}}  # fmt: skip
 """Task -> draft label -> the snapshot of the task's embedded pair it is (chosen by held-out
 accuracy targets, `verl.utils.embedded.TASKS`)."""
 TASK_SET = {
@@ -131,9 +132,12 @@ TASK_SET = {
     "runsum": ("data.train_files=embedded://runsum@train", "data.val_files=embedded://runsum@test",
                "data.max_prompt_length=21", "data.max_response_length=21",
                "worker.rollout.val_override_config.temperature=1.0", "worker.rollout.val_override_config.n=4"),
+    "toolchain": (f"config={ROOT / 'examples' / 'toolchain_guided.yaml'}",),
 }  # fmt: skip
 """Task -> the keys every run of it adds (data, lengths, validation; the base config is
-arithmetic's). runsum validates as its models were chosen: sampling at T = 1 (4 per prompt)."""
+arithmetic's). runsum validates as its models were chosen: sampling at T = 1 (4 per prompt);
+toolchain takes its whole recipe (multi-turn, its tool, lengths, the same validation) from
+examples/toolchain_guided.yaml."""
 TASK_CELLS = {
     "arithmetic": tuple(
         c.name
@@ -152,11 +156,13 @@ TASK_CELLS = {
         "mix_at_grpo_lr",
         "mentor_at_grpo_lr",
     ),
+    "toolchain": ("grpo", "spec_exact", "distill", "spec_distill"),
 }
 """Task -> the cells `make evidence` runs on it (`--cells` picks others)."""
-TUNE_DRAFT = {"arithmetic": "base", "runsum": "student"}
+TUNE_DRAFT = {"arithmetic": "base", "runsum": "student", "toolchain": "student"}
 """Task -> the draft learning rates are tuned from."""
-MEASURE = {"arithmetic": "greedy", "runsum": "sampled at T = 1, 4 per prompt"}
+MEASURE = {"arithmetic": "greedy", "runsum": "sampled at T = 1, 4 per prompt",
+           "toolchain": "whole episodes sampled at T = 1, 4 per prompt"}  # fmt: skip
 """Task -> how its validation measures accuracy."""
 DIAGNOSTICS = ("guidance/offpolicy_token_ratio", "guidance/guided_grad_share",
                "guidance/guided_is_weight_mean", "guidance/guided_is_clip_frac",

@@ -17,6 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCHERS = sorted((ROOT / "examples").glob("*.sh"))
 EXPECTED = {  # launcher -> (dotted key, value) pairs its final config must hold
     "cpu_demo.sh": [("data.train_files", "embedded://arithmetic@train"), ("worker.rollout.offpolicy_guidance.enable", True)],
+    "cpu_toolchain.sh": [("data.train_files", "embedded://toolchain@train"), ("worker.rollout.multi_turn.enable", True),
+                         ("worker.rollout.multi_turn.max_turns", 4), ("worker.rollout.offpolicy_guidance.enable", True),
+                         ("worker.reward.reward_function", "toolchain")],
+    "qwen2_5_1_5b_tools_guided.sh": [("worker.rollout.multi_turn.enable", True),
+                                     ("worker.rollout.multi_turn.tool_call_format", "hermes"),
+                                     ("worker.rollout.offpolicy_guidance.mode", "speculative")],
     "qwen2_5_1_5b_math_guided.sh": [("worker.rollout.offpolicy_guidance.enable", True),
                                     ("worker.rollout.offpolicy_guidance.mode", "speculative")],
     "qwen2_5_1_5b_math_guided_mix.sh": [("worker.rollout.offpolicy_guidance.mode", "mix")],
@@ -42,7 +48,7 @@ def test_every_recipe_has_a_launcher():
 
 @pytest.mark.parametrize("launcher", LAUNCHERS, ids=lambda p: p.name)
 def test_launcher_dry_run_validates_its_config(launcher):
-    gpu = launcher.name != "cpu_demo.sh"
+    gpu = not launcher.name.startswith("cpu_")
     # a hub id not cached here passes the dry run as one the run downloads (not with HF_HUB_OFFLINE)
     env = {"MODEL_PATH": "Org/draft", "N_GPUS": "4", "HF_HUB_OFFLINE": "0"} if gpu else {}
     proc = dry_run(launcher, "trainer.max_steps=3", **env)

@@ -1,6 +1,7 @@
-"""A 2-step multi-turn, tool-using training run through the CLI (`python -m verl.trainer.main`),
-Ray + FSDP + the vLLM draft engine on CPU, with a tiny char model edited to close calls often
-(`]`, the embedded format's stop string), so episodes have tool turns."""
+"""A 2-step multi-turn, tool-using, guided training run through the CLI (`python -m
+verl.trainer.main`), Ray + FSDP + the vLLM draft engine and the guidance service on CPU, with tiny
+char models edited to close calls often (`]`, the embedded format's stop string, the two with
+different strengths), so episodes have tool turns and the guidance writes some policy tokens."""
 
 from __future__ import annotations
 
@@ -28,28 +29,34 @@ MULTITURN_KEYS = ["multiturn/turns_mean", "multiturn/tool_calls_mean", "multitur
                   "multiturn/truncated_frac", "multiturn/tool_token_frac"]  # fmt: skip
 
 
-def calling_model(path: str) -> str:
-    """A tiny char model where `]` dominates wherever hidden dim 0 is positive (tied head)."""
+GUIDED_KEYS = ["guidance/offpolicy_token_ratio", "guidance/is_weight_mean", "guidance/behavior_kl",
+               "guidance/accept_rate"]  # fmt: skip
+
+
+def calling_model(path: str, seed: int = 1, weight: float = 40.0) -> str:
+    """A tiny char model where `]` (head weight `weight`) dominates wherever hidden dim 0 is
+    positive."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
 
-    save_tiny_lm(path, TinyLMSpec(hidden_size=64, num_hidden_layers=1, vocab_size=100, seed=1))
+    save_tiny_lm(path, TinyLMSpec(hidden_size=64, num_hidden_layers=1, vocab_size=100, seed=seed))
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     close = AutoTokenizer.from_pretrained(path).convert_tokens_to_ids("]")
     with torch.no_grad():
         lm.model.norm.weight.zero_()
         lm.model.norm.weight[0] = 1.0
         lm.lm_head.weight[:, 0] = 0.0
-        lm.lm_head.weight[close, 0] = 40.0
+        lm.lm_head.weight[close, 0] = weight
     lm.save_pretrained(path)
     return path
 
 
-def test_two_step_multi_turn_run_trains_and_logs_multiturn_metrics(tmp_path):
+def test_two_step_guided_multi_turn_run_trains_and_logs_its_metrics(tmp_path):
     from safetensors.torch import load_file
 
     draft = calling_model(str(tmp_path / "draft"))
+    guide = calling_model(str(tmp_path / "guidance"), seed=5, weight=12.0)
     (tmp_path / "reward.py").write_text(REWARD)
     run_dir = str(tmp_path / "run")
     config = {
@@ -61,6 +68,8 @@ def test_two_step_multi_turn_run_trains_and_logs_multiturn_metrics(tmp_path):
                       "micro_batch_size_per_device_for_experience": 16,
                       "model": {"model_path": draft}, "optim": {"lr": 1e-3}},
             "rollout": {"n": 2, "dtype": "float32", "gpu_memory_utilization": 0.02, "enforce_eager": True,
+                        "offpolicy_guidance": {"enable": True, "model_path": guide, "dtype": "float32",
+                                               "gpu_memory_utilization": 0.02, "lam": 0.5},
                         "multi_turn": {"enable": True, "tools": ["lookup"], "tool_call_format": "embedded",
                                        "max_turns": 2, "max_tool_response_length": 16}},
             "reward": {"reward_function": f"{tmp_path / 'reward.py'}:digit_share", "reward_type": "sequential"},
@@ -81,11 +90,12 @@ def test_two_step_multi_turn_run_trains_and_logs_multiturn_metrics(tmp_path):
     steps = [row for row in rows if "actor/pg_loss" in row]
     assert len(steps) == 2
     for row in steps:
-        for key in MULTITURN_KEYS:
+        for key in MULTITURN_KEYS + GUIDED_KEYS:
             assert key in row and is_known(key), key
             assert row[key] is not None and math.isfinite(row[key]), (key, row[key])
         assert row["multiturn/tool_calls_mean"] > 0
         assert 0 < row["multiturn/tool_token_frac"] < 1
+        assert 0 < row["guidance/offpolicy_token_ratio"] < 1  # the guidance wrote some policy tokens
     before = load_file(os.path.join(draft, "model.safetensors"))
     after = load_file(os.path.join(run_dir, "global_step_2", "actor", "hf", "model.safetensors"))
     changed = [k for k in before if not torch.equal(before[k], after[k])]

@@ -64,6 +64,23 @@ def test_format_prompt_template_and_chat_template(tmp_path):
     assert plain.text("1+1=") == "Q: 1+1="
     chat = PromptEncoder(tok, 64, apply_chat_template=True, format_prompt=str(template))
     assert chat.text("1+1=") == "<|im_start|>user\nQ: 1+1=<|im_end|>\n<|im_start|>assistant\n"
+    tools = PromptEncoder(tok, 64, apply_chat_template=True, system_prompt="Call add.")
+    assert tools.text("1+1=") == ("<|im_start|>system\nCall add.<|im_end|>\n"
+                                  "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+    plain_tools = PromptEncoder(tok, 64, apply_chat_template=False, system_prompt="Call add.")
+    assert plain_tools.text("1+1=") == "1+1="  # no chat template: no system message
+
+
+def test_multi_turn_chat_prompts_get_the_tool_instructions():
+    from verl.trainer.config import load_config
+    from verl.trainer.main import tool_instructions
+
+    config = load_config(["worker.rollout.multi_turn.enable=true", "worker.rollout.multi_turn.tools=[calculator]"])
+    text = tool_instructions(config)
+    assert '"name": "calculator"' in text and "<tool_call>" in text  # hermes, the default format
+    config.data.apply_chat_template = False
+    assert tool_instructions(config) is None
+    assert tool_instructions(load_config()) is None  # single-turn
 
 
 def test_batches_are_left_padded_with_ground_truth(encoder):

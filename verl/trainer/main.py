@@ -143,6 +143,19 @@ def resolve_rewards(config: PPOConfig) -> list[str]:
     return specs
 
 
+def tool_instructions(config: PPOConfig) -> str | None:
+    """The system message of a multi-turn run's chat prompts: its tools and how to call them in
+    its format (`ToolCallFormat.instructions`); None without multi-turn or a chat template (the
+    embedded tasks' plain prompts carry their own convention)."""
+    from verl.workers.rollout.multi_turn import get_format, load_tools
+
+    multi_turn = config.worker.rollout.multi_turn
+    if not (multi_turn.enable and config.data.apply_chat_template):
+        return None
+    tools = load_tools(multi_turn.tools, "worker.rollout.multi_turn.tools")
+    return get_format(multi_turn.tool_call_format).instructions([t.schema() for t in tools.values()])
+
+
 def resolve_tools(config: PPOConfig) -> list[str]:
     """Load `worker.rollout.multi_turn.tools` when multi-turn is on (files are imported); the
     names loaded, or ConfigError in one line naming the key."""
@@ -217,9 +230,8 @@ def prepare(config: PPOConfig) -> Prepared:
         config.worker.actor.model.tokenizer_path or actor_path
     )
     data = config.data
-    encoder = PromptEncoder(
-        tokenizer, data.max_prompt_length, data.apply_chat_template, data.format_prompt
-    )
+    encoder = PromptEncoder(tokenizer, data.max_prompt_length, data.apply_chat_template,
+                            data.format_prompt, tool_instructions(config))  # fmt: skip
     train = RLDataset(data.train_files, encoder, data.prompt_key, data.answer_key,
                       data.filter_overlong_prompts, key="data.train_files")  # fmt: skip
     val = None

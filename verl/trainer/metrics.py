@@ -29,14 +29,21 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
             f"{prefix}/min": values.min().item()}  # fmt: skip
 
 
+def response_lengths(batch: DataProto) -> torch.Tensor:
+    """(B,) tokens of each response: policy tokens, and the tool tokens of a multi-turn episode
+    (kept, attended to, never trained on)."""
+    lengths = batch.batch["response_mask"].sum(-1)
+    if "tool_mask" in batch.batch.keys():
+        lengths = lengths + batch.batch["tool_mask"].sum(-1)
+    return lengths
+
+
 def compute_data_metrics(batch: DataProto, components: dict[str, list[float]]) -> dict[str, float]:
     """critic/score/* (per-response reward and its components), critic/advantages/*,
     response_length/* (tokens, tool tokens of multi-turn episodes included; clip ratio at the
     length limit)."""
     mask = batch.batch["response_mask"]
-    lengths = mask.sum(-1)
-    if "tool_mask" in batch.batch.keys():  # multi-turn: tool tokens are part of the response
-        lengths = lengths + batch.batch["tool_mask"].sum(-1)
+    lengths = response_lengths(batch)
     scores = batch.batch["token_level_scores"].sum(-1)
     metrics = {**_stats("critic/score", scores), **_stats("response_length", lengths)}
     metrics["response_length/clip_ratio"] = (lengths >= mask.shape[-1]).float().mean().item()

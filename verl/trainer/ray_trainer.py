@@ -42,7 +42,12 @@ from verl.trainer.core_algos.offpolicy import (
     compute_rejection_mask,
 )
 from verl.trainer.core_algos.sum_pi_squared import compute_variance_proxy_metrics
-from verl.trainer.metrics import compute_data_metrics, compute_throughput_metrics, timed
+from verl.trainer.metrics import (
+    compute_data_metrics,
+    compute_throughput_metrics,
+    response_lengths,
+    timed,
+)
 from verl.utils import metric_names as M
 from verl.utils.checkpoint import is_complete
 from verl.utils.dataset import RLDataset, build_dataloader
@@ -364,7 +369,7 @@ class RayPPOTrainer:
             token_scores, parts = self.val_reward.compute(out)
             scores.append(token_scores.sum(-1))
             self._val_samples(out, scores[-1], batch.meta_info["n"], samples)
-            lengths.append(out.batch["response_mask"].sum(-1))
+            lengths.append(response_lengths(out))  # tool tokens of multi-turn episodes included
             for key, values in parts.items():
                 components.setdefault(key, []).extend(values)
         metrics = {"val/reward_score": torch.cat(scores).mean().item(),
@@ -385,7 +390,7 @@ class RayPPOTrainer:
         if not rows:
             return
         b, extra = out.batch, out.non_tensor_batch
-        lengths = b["response_mask"].sum(-1).long().tolist()
+        lengths = response_lengths(out).long().tolist()  # the whole trajectory of an episode
         texts = self.val_reward.tokenizer.batch_decode(
             [b["responses"][i][: lengths[i]].tolist() for i in rows],
             skip_special_tokens=self.val_reward.config.skip_special_tokens)  # fmt: skip

@@ -104,6 +104,9 @@ class PromptEncoder:
     max_prompt_length: int
     apply_chat_template: bool = True
     format_prompt: str | None = None
+    system_prompt: str | None = None
+    """A system message before the prompt (chat template only): a multi-turn run's tool
+    instructions (`tool_instructions`)."""
 
     def __post_init__(self) -> None:
         self._template = None
@@ -123,6 +126,8 @@ class PromptEncoder:
             prompt = self._template.render(content=prompt)
         if self.apply_chat_template:
             messages = [{"role": "user", "content": prompt}]
+            if self.system_prompt:
+                messages.insert(0, {"role": "system", "content": self.system_prompt})
             return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False
             )

@@ -18,6 +18,11 @@ rounding moves the curve.
   layers, width 128) and measured by their expected accuracy when sampling at temperature 1,
   the rollout's, since a response of 20 steps sampled at T = 1 fails far more often than the
   greedy one.
+- `toolchain` (multi-turn, needs its tool; `verl/utils/embedded_tools.py`): `k07>3=` asks for
+  3 lookups in the `lookup` tool's table from key k07, each next key the previous value
+  (`[lookup:k07]`, answered `=70\n`, then `[lookup:k70]`...), then the last value (`48`).
+  Trained on whole transcripts, the loss on the policy's tokens only; measured like `runsum`,
+  sampled at T = 1 (the canonical episode's exact probability).
 
     python -m verl.utils.embedded [--task runsum]   # builds once; later calls reuse it
 """
@@ -36,6 +41,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from verl.utils.embedded_tools import (
+    TOOLCHAIN_FORMAT,
+    TOOLCHAIN_MAX_TURNS,
+    TOOLCHAIN_PROMPT_LENGTH,
+    TOOLCHAIN_RESPONSE_LENGTH,
+    TOOLCHAIN_TOOLS,
+    toolchain_encode,
+    toolchain_split,
+)
 from verl.utils.tiny_lm import TinyLMSpec, build_char_tokenizer, build_tiny_qwen2, save_tiny_lm
 
 EMBEDDED_SCHEME = "embedded://"
@@ -129,6 +143,16 @@ class EmbeddedTask:
     measure: str = "greedy"
     """Held-out accuracy its targets are stated in: greedy (`greedy_accuracy`) or sampled at
     temperature 1 (`sampled_accuracy`)."""
+    encode: Callable | None = None
+    """(rows, tokenizer) -> (ids, mask of the tokens trained on and measured) of its supervised
+    sequences; None: prompt + answer + EOS (`_encode`)."""
+    tools: tuple[str, ...] = ()
+    """Multi-turn tasks: the tools its episodes load (`worker.rollout.multi_turn.tools`); () for a
+    single-turn task."""
+    tool_call_format: str = "embedded"
+    """Multi-turn tasks: `worker.rollout.multi_turn.tool_call_format`."""
+    max_turns: int = 1
+    """Policy turns per episode (`worker.rollout.multi_turn.max_turns`); 1: single-turn."""
 
 
 MODEL = TinyLMSpec(hidden_size=256, num_hidden_layers=4, vocab_size=128, seed=12)
@@ -138,10 +162,14 @@ TASKS: dict[str, EmbeddedTask] = {
                                SFTSpec(MODEL, {"weak": 0.15, "draft": 0.36, "guidance": 0.97}, max_steps=1500)),
     "runsum": EmbeddedTask(runsum_split, "runsum", RUNSUM_TERMS + 1, RUNSUM_TERMS + 1,
                            SFTSpec(SMALL, {"draft": 0.15, "guidance": 0.95}, max_steps=4000, batch_size=128), "sampled"),
+    "toolchain": EmbeddedTask(toolchain_split, "toolchain", TOOLCHAIN_PROMPT_LENGTH, TOOLCHAIN_RESPONSE_LENGTH,
+                              SFTSpec(SMALL, {"draft": 0.15, "guidance": 0.95}, max_steps=4000, batch_size=128),
+                              "sampled", toolchain_encode, TOOLCHAIN_TOOLS, TOOLCHAIN_FORMAT, TOOLCHAIN_MAX_TURNS),
 }  # fmt: skip
 """Embedded task name -> its definition. Targets: `arithmetic` weak 15 %, draft (the demo's)
 36 %, guidance 97 % (greedy); `runsum` draft 15 % (a student that gets most steps right and the
-whole answer seldom), guidance 95 % (sampled at T = 1)."""
+whole answer seldom), guidance 95 % (sampled at T = 1); `toolchain` the same, over the canonical
+episode's policy tokens (its response length counts the tool tokens: 51; 4 turns at most)."""
 
 
 def load_embedded(spec: str) -> list[dict[str, str]]:
@@ -184,26 +212,28 @@ def _encode(rows: list[dict[str, str]], tokenizer) -> tuple[torch.Tensor, torch.
 
 @torch.no_grad()
 def sampled_accuracy(
-    model, rows: list[dict[str, str]], tokenizer, temperature: float = 1.0
+    model, rows: list[dict[str, str]], tokenizer, temperature: float = 1.0, encode=_encode
 ) -> float:
     """Expected share of rows whose answer (and EOS), sampled at `temperature`, is exactly right:
     the mean over rows of Π_t p_T(answer token t | the right prefix), computed exactly from one
-    teacher-forced forward (no sampling noise; smooth in the weights, unlike greedy accuracy)."""
-    ids, mask = _encode(rows, tokenizer)
+    teacher-forced forward (no sampling noise; smooth in the weights, unlike greedy accuracy).
+    `encode` (`EmbeddedTask.encode`) gives the sequences and the tokens the product runs over
+    (`toolchain`: the canonical episode's policy tokens, its tool tokens given)."""
+    ids, mask = encode(rows, tokenizer)
     log_probs = (model(ids).logits[:, :-1].float() / temperature).log_softmax(-1)
     picked = log_probs.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) * mask[:, 1:]
     return picked.sum(-1).exp().mean().item()
 
 
 @torch.no_grad()
-def greedy_accuracy(model, rows: list[dict[str, str]], tokenizer) -> float:
+def greedy_accuracy(model, rows: list[dict[str, str]], tokenizer, encode=_encode) -> float:
     """Share of rows whose greedy answer (and EOS) is exactly right (for `runsum`: every step
     right, which its final-answer reward reads up to errors that cancel).
 
     Teacher-forced argmax equals greedy decoding here: greedy output matches the answer iff the
     argmax is right at every answer position given the right prefix.
     """
-    ids, mask = _encode(rows, tokenizer)
+    ids, mask = encode(rows, tokenizer)
     logits = model(ids).logits[:, :-1]
     correct = (logits.argmax(-1) == ids[:, 1:]) | ~mask[:, 1:]
     return correct.all(-1).float().mean().item()
@@ -294,13 +324,15 @@ def supervised_snapshots(
     log=print,
     curve: list[tuple[int, float]] | None = None,
     measure: str = "greedy",
+    encode=_encode,
 ) -> Iterator[tuple[str, int, float, torch.nn.Module]]:
-    """Cross-entropy on the response tokens (prompts are not predicted), evaluated on `test`
-    every `eval_every` steps; yields (name, step, accuracy, model) for each target as soon as the
-    run fixes it (`_decide`), and stops when every target is fixed (or at `max_steps`, where the
-    targets still open take their nearest snapshot). Every evaluation is appended to `curve`."""
+    """Cross-entropy on the tokens `encode` marks (the response: prompts and tool results are not
+    predicted), evaluated on `test` every `eval_every` steps; yields (name, step, accuracy, model)
+    for each target as soon as the run fixes it (`_decide`), and stops when every target is fixed
+    (or at `max_steps`, where the targets still open take their nearest snapshot). Every
+    evaluation is appended to `curve`."""
     model = build_tiny_qwen2(spec.model, tokenizer)
-    ids, mask = _encode(train, tokenizer)
+    ids, mask = encode(train, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     gen = torch.Generator().manual_seed(spec.model.seed)
@@ -325,7 +357,7 @@ def supervised_snapshots(
         if sparse and step % spec.eval_every and step != spec.max_steps:
             continue
         model.eval()
-        current = (step, MEASURES[measure](model, test, tokenizer))
+        current = (step, MEASURES[measure](model, test, tokenizer, encode=encode))
         curve.append(current)
         if step % 50 == 0:
             log(f"  step {step}/{spec.max_steps}  held-out accuracy {current[1]:.1%}")
@@ -406,11 +438,11 @@ def build_embedded(
         "a few minutes on 2 cores...")  # fmt: skip
     start = time.perf_counter()
     tokenizer = build_char_tokenizer()
-    rows = TASKS[task].rows
+    rows, encode = TASKS[task].rows, TASKS[task].encode or _encode
     result: dict[str, str | float] = dict(paths)
     curve: list[tuple[int, float]] = []
     for name, step, accuracy, model in supervised_snapshots(
-        spec, rows("train"), rows("test"), tokenizer, log, curve, TASKS[task].measure
+        spec, rows("train"), rows("test"), tokenizer, log, curve, TASKS[task].measure, encode
     ):
         record = {**wanted, "step": step, "test_accuracy": accuracy, "target": spec.targets[name],
                   "curve": list(curve)}  # fmt: skip

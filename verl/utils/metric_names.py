@@ -137,6 +137,7 @@ MULTITURN_TOOL_CALLS_MEAN = "multiturn/tool_calls_mean"
 MULTITURN_TOOL_ERROR_FRAC = "multiturn/tool_error_frac"
 MULTITURN_TRUNCATED_FRAC = "multiturn/truncated_frac"
 MULTITURN_TOOL_TOKEN_FRAC = "multiturn/tool_token_frac"
+MULTITURN_RETOKENIZED_FRAC = "multiturn/retokenized_token_frac"
 
 # Families whose last part is a reward component returned by the reward function (e.g. accuracy).
 FAMILIES = ("critic/score/<component>", "val/score/<component>")

@@ -39,8 +39,17 @@ def test_every_mode_pick_mode_names_is_registered():
         "draft_only",
         "mix",
         "multi_turn",
+        "multi_turn_prefill",
+        "multi_turn_speculative",
         "speculative",
         "teacher_only_prefill",
     ]
+    from verl.workers.rollout.multi_turn_mode import MULTI_TURN_MODES
+
+    # every single-turn mode but mix has a multi-turn form (mix is refused with multi-turn)
+    assert set(MULTI_TURN_MODES) == set(GENERATION_MODES.names()) - {"mix"} - set(
+        MULTI_TURN_MODES.values()
+    )
+    assert set(MULTI_TURN_MODES.values()) <= set(GENERATION_MODES.names())
     with pytest.raises(ValueError, match="unknown generation mode 'x'; valid: draft_only, mix"):
         GENERATION_MODES.get("x")

@@ -19,16 +19,14 @@ pytestmark = pytest.mark.vllm
 MAX_TURNS, RESPONSE_LENGTH = 3, 96
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
+def call_prone_model(path: str, seed: int, weight: float) -> str:
     """A tiny char model whose final norm keeps hidden dim 0 only and whose head maps dim 0 to
-    `]` alone: where that dim is positive, `]` dominates."""
+    `]` alone (with `weight`): where that dim is positive, `]` dominates."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
 
-    path = save_tiny_lm(str(tmp_path_factory.mktemp("mt") / "draft"),
-                        TinyLMSpec(hidden_size=64, num_hidden_layers=1, vocab_size=100, seed=3))  # fmt: skip
+    save_tiny_lm(path, TinyLMSpec(hidden_size=64, num_hidden_layers=1, vocab_size=100, seed=seed))
     tok = AutoTokenizer.from_pretrained(path)
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     close = tok.convert_tokens_to_ids("]")
@@ -36,9 +34,14 @@ def model(tmp_path_factory) -> str:
         lm.model.norm.weight.zero_()
         lm.model.norm.weight[0] = 1.0
         lm.lm_head.weight[:, 0] = 0.0
-        lm.lm_head.weight[close, 0] = 40.0
+        lm.lm_head.weight[close, 0] = weight
     lm.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return call_prone_model(str(tmp_path_factory.mktemp("mt") / "draft"), seed=3, weight=40.0)
 
 
 @pytest.fixture(scope="module")

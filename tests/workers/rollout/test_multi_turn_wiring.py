@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
 from verl.trainer.config import ConfigError
-from verl.workers.rollout.config import RolloutConfig
+from verl.workers.rollout.config import OffPolicyGuidanceConfig, RolloutConfig
 from verl.workers.rollout.modes import GENERATION_MODES
 from verl.workers.rollout.multi_turn import Trajectory, pack
 from verl.workers.rollout.multi_turn_mode import multi_turn_dataproto, multi_turn_metrics
@@ -21,7 +24,17 @@ def test_multi_turn_is_nested_and_validated():
     cfg.multi_turn.tools = ["lookup"]
     cfg.validate("worker.rollout")
     cfg.offpolicy_guidance.enable, cfg.offpolicy_guidance.model_path = True, "x"
-    with pytest.raises(ValueError, match=r"multi_turn\.enable.*draft-only") as error:
+    cfg.validate("worker.rollout")  # guided token by token (speculative mode)
+    cfg.offpolicy_guidance.mode = "mix"
+    with pytest.raises(
+        ValueError, match=r"offpolicy_guidance\.mode.*'mix'.*expected speculative"
+    ) as error:
+        cfg.validate("worker.rollout")
+    assert "\n" not in str(error.value)
+    cfg.offpolicy_guidance.mode, cfg.offpolicy_guidance.keep_topk = "speculative", True
+    with pytest.raises(
+        ValueError, match=r"offpolicy_guidance\.keep_topk.*single-turn only"
+    ) as error:
         cfg.validate("worker.rollout")
     assert "\n" not in str(error.value)
 
@@ -48,7 +61,11 @@ def test_mode_registered_and_metrics_of_a_packed_batch():
     a.add_turn([10], rollout_log_probs=[-1.0])
     b.add_turn([11, 12, 13], rollout_log_probs=[-0.1, -0.2, -0.3])
     packed = pack([a, b], 8, 0)
-    out = multi_turn_dataproto(4, 0, [[1, 2], [3]], packed).batch
+    packed["retokenized"] = torch.tensor([1, 0])  # (the rollout counts these: `_packed`)
+    out = multi_turn_dataproto(
+        OffPolicyGuidanceConfig(), 4, 0, [[1, 2], [3]], packed, 0.0, None
+    ).batch
+    assert "behavior_log_probs" not in out  # guidance off
     assert out["response_mask"][0].tolist() == [1, 1, 0, 0, 0, 1, 0, 0]
     assert out["attention_mask"][0].tolist() == [0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]
     assert out["rollout_log_probs"][0, :6].tolist() == [-0.5, -0.25, 0, 0, 0, -1.0]
@@ -59,12 +76,45 @@ def test_mode_registered_and_metrics_of_a_packed_batch():
     assert metrics["multiturn/tool_error_frac"] == 0.5
     assert metrics["multiturn/truncated_frac"] == 0.0
     assert metrics["multiturn/tool_token_frac"] == pytest.approx(3 / 9)
+    assert metrics["multiturn/retokenized_token_frac"] == pytest.approx(1 / 9)  # 1 of 9 kept
     assert multi_turn_metrics({"response_mask": torch.ones(1, 2)}) == {}
+
+
+def test_guided_episodes_pack_behavior_log_probs_at_policy_tokens_only():
+    """Guided turns' slots packed around a tool delta, by hand. λ = 0.5, full lists (q̃ = q):
+    μ = log(0.5·p + 0.5·q): token 5: 0.5·0.5 + 0.5·0.1 = 0.30; token 6 (the guidance's):
+    0.5·0.25 + 0.5·0.5 = 0.375; token 10: 0.5·0.8 + 0.5·0.4 = 0.60. Tool tokens 7, 8 and
+    padding carry 0 (NaN entropy), no provenance, and λ_t 0."""
+    ln = math.log
+    a = Trajectory([1, 2])
+    a.add_turn([5, 6], rollout_log_probs=[ln(0.5), ln(0.25)], guidance_log_probs=[ln(0.1), ln(0.5)],
+               target_log_probs=[ln(0.1), ln(0.5)], guidance_lam=[0.5, 0.5], draft_entropy=[1.0, 2.0],
+               offpolicy=[0.0, 1.0])  # fmt: skip
+    a.add_tool([7, 8], ["ok"])
+    a.add_turn([10], rollout_log_probs=[ln(0.8)], guidance_log_probs=[ln(0.4)], target_log_probs=[ln(0.4)],
+               guidance_lam=[0.5], draft_entropy=[0.3], offpolicy=[0.0])  # fmt: skip
+    guidance = OffPolicyGuidanceConfig(enable=True, model_path="x")
+    packed = pack([a], 7, 0)
+    packed["retokenized"] = torch.tensor([0])
+    out = multi_turn_dataproto(guidance, 2, 0, [[1, 2]], packed, 0.5, np.array([True])).batch
+    expected = torch.tensor([[ln(0.30), ln(0.375), 0, 0, ln(0.60), 0, 0]])
+    torch.testing.assert_close(
+        out["behavior_log_probs"].double(), expected.double(), atol=1e-6, rtol=0
+    )
+    assert out["offpolicy_mask"].tolist() == [[False, True, False, False, False, False, False]]
+    assert out["guidance_log_probs"][0, 2:4].tolist() == [0, 0]
+    assert out["guidance_lam"].tolist() == [[0.5, 0.5, 0, 0, 0.5, 0, 0]]
+    entropy = out["draft_entropy"][0]
+    assert (
+        entropy[[0, 1, 4]].tolist() == pytest.approx([1.0, 2.0, 0.3])
+        and entropy[[2, 3, 5, 6]].isnan().all()
+    )
+    assert out["guided_responses"].tolist() == [True]
 
 
 def test_response_length_counts_tool_tokens():
     from verl.protocol import DataProto
-    from verl.trainer.metrics import compute_data_metrics
+    from verl.trainer.metrics import compute_data_metrics, response_lengths
 
     mask = torch.tensor([[1.0, 0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0, 0.0]])
     tool = torch.tensor([[0.0, 1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
@@ -72,6 +122,8 @@ def test_response_length_counts_tool_tokens():
                                  "token_level_scores": torch.zeros(2, 5)})  # fmt: skip
     metrics = compute_data_metrics(batch, {})
     assert metrics["response_length/max"] == 4 and metrics["response_length/min"] == 2
+    # the same count validation logs (val/response_length) and decodes its samples up to
+    assert response_lengths(batch).tolist() == [4.0, 2.0]
 
 
 def test_reward_sees_the_trajectory_and_scores_the_last_policy_token():

@@ -272,6 +272,45 @@ def test_eos_ends_a_sequence_and_lengths_follow_q_lambda():
     assert chi2_counts_pvalue(counts, probs) > 1e-3
 
 
+def stop_after_pair(tokens: list[int]) -> int | None:
+    """A two-token "stop string": the response ends right after its first 1 followed by 2."""
+    for j in range(1, len(tokens)):
+        if tokens[j - 1] == 1 and tokens[j] == 2:
+            return j + 1
+    return None
+
+
+def test_a_stop_rule_and_per_sequence_limits_keep_sequences_exact():
+    """A stop rule (the multi-turn modes' stop strings) cuts a round where a response first ends
+    with the pair (1, 2), which may straddle two rounds (k = 2); half the sequences may have 3
+    tokens, half 4. Every outcome's frequency is its probability under the chain mixture with
+    that stopping time: sum over complete outcomes = 1, chi-square against the counts."""
+    n, lam, k = 40_000, 0.5, 2
+    gen = torch.Generator().manual_seed(17)
+    propose, score = toy_engines(gen)
+    limits = [3 if i % 2 else 4 for i in range(n)]
+    batch = SpeculativeBatch([[0]] * n, lam, k, limits, None, gen,
+                             stop=lambda r, tokens: stop_after_pair(tokens))  # fmt: skip
+    while not batch.done:
+        ids, prefixes, budget = batch.next_round()
+        proposals, num, tables = propose(ids, prefixes, budget)
+        batch.apply(proposals, num, tables, score(ids, prefixes, proposals, num))
+    for limit in (3, 4):
+        seqs = batch.seqs[0::2] if limit == 4 else batch.seqs[1::2]
+        outcomes = [o for m in range(2, limit + 1) for o in itertools.product(range(V), repeat=m)
+                    if stop_after_pair(list(o)) in (m, None) and (stop_after_pair(list(o)) == m or m == limit)]  # fmt: skip
+        index = {o: i for i, o in enumerate(outcomes)}
+        counts = torch.zeros(len(outcomes), dtype=D)
+        for s in seqs:
+            counts[index[tuple(s.tokens)]] += 1
+            assert s.stopped == (stop_after_pair(s.tokens) == len(s.tokens))
+            assert len(s.offpolicy) == len(s.draft_log_probs) == len(s.lam) == len(s.tokens)
+        probs = torch.tensor([chain_prob(o, lam) for o in outcomes], dtype=D)
+        assert probs.sum().item() == pytest.approx(1.0)  # the outcomes are all the possible ones
+        assert chi2_counts_pvalue(counts, probs) > 1e-3
+    assert any(s.stopped for s in batch.seqs) and not all(s.stopped for s in batch.seqs)
+
+
 def test_engines_get_the_index_of_each_active_sequence():
     """propose/score receive `ids`: the positions in `prompts` of the sequences still running, so
     engines can keep per-sequence state (vLLM sessions). Prompts here are distinct."""

@@ -15,7 +15,7 @@ class RewardConfig:
     reward_type: str = "batch"
     """batch: one call scores the whole batch; sequential: one call per response."""
     reward_function: str | None = None
-    """A built-in reward (arithmetic, runsum, math) or `path/to/file.py:fn` (None: the embedded task's own, else math)."""
+    """A built-in reward (arithmetic, runsum, toolchain, math) or `path/to/file.py:fn` (None: the embedded task's own, else math)."""
     val_reward_function: str | None = None
     """The reward validation scores with, same forms (None: `reward_function`), e.g. the accuracy beside a shaped training reward."""
     reward_function_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -39,6 +39,20 @@ def runsum_reward(reward_input: dict) -> dict[str, float]:
     return {"overall": float(formatted and response[-1:] == answer[-1:])}
 
 
+@REWARD_FUNCTIONS.register("toolchain")
+def toolchain_reward(reward_input: dict) -> dict[str, float]:
+    """The embedded `toolchain` task (multi-turn, `verl/utils/embedded_tools.py`): 1 when the text
+    after the response's last line break (each tool result ends one: `[lookup:k07]=70\\n...`) is
+    the answer, two digits, else 0. A response that never calls the tool and writes the right
+    digits scores too. Components: `format` (that text is two digits) and `tool_calls` (calls
+    answered: each `]` followed by a result's `=`)."""
+    response, answer = reward_input["response"], str(reward_input["ground_truth"]).strip()
+    final = response.rsplit("\n", 1)[-1].strip()
+    formatted = len(final) == 2 and final.isdigit()
+    return {"overall": float(formatted and final == answer), "format": float(formatted),
+            "tool_calls": float(response.count("]="))}  # fmt: skip
+
+
 @REWARD_FUNCTIONS.register("math")
 def math_reward(reward_input: dict, format_weight: float = 0.0) -> dict[str, float]:
     r"""Accuracy of the last `\boxed{}` answer, checked with math-verify; optional format bonus.
@@ -138,5 +152,5 @@ class FunctionRewardManager:
         return self._pool.submit(self.compute, data)
 
 
-for _fn in (arithmetic_reward, runsum_reward, math_reward):
+for _fn in (arithmetic_reward, runsum_reward, toolchain_reward, math_reward):
     _fn._verl_builtin = True  # built-ins score one response per call

@@ -201,7 +201,7 @@ class RolloutConfig:
     offpolicy_guidance: OffPolicyGuidanceConfig = field(default_factory=OffPolicyGuidanceConfig)
     """The guidance engine and its mixing rule."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
-    """Multi-turn, tool-using episodes (draft-only for now: refused with guidance)."""
+    """Multi-turn, tool-using episodes (draft-only, or guided token by token in speculative mode)."""
     prompt_length: int = -1
     """auto: data.max_prompt_length."""
     response_length: int = -1
@@ -242,10 +242,15 @@ class RolloutConfig:
                               VAL_OVERRIDE_FIELDS, greedy=True)  # fmt: skip
         self.offpolicy_guidance.validate(f"{prefix}.offpolicy_guidance", self.n)
         self.multi_turn.validate(f"{prefix}.multi_turn")
-        if self.multi_turn.enable and self.offpolicy_guidance.enable:
-            fail(f"{prefix}.multi_turn.enable", True,
-                 "multi-turn rollouts run draft-only for now; guidance across turns is not implemented yet "
-                 f"(set {prefix}.offpolicy_guidance.enable=false)")  # fmt: skip
+        guidance = self.offpolicy_guidance
+        if self.multi_turn.enable and guidance.enable and guidance.mode != "speculative":
+            fail(f"{prefix}.offpolicy_guidance.mode", guidance.mode,
+                 "multi-turn rollouts are guided token by token only: expected speculative (mix would need "
+                 f"the guidance to run whole tool-using episodes), or {prefix}.multi_turn.enable=false")  # fmt: skip
+        if self.multi_turn.enable and guidance.enable and guidance.keep_topk:
+            fail(f"{prefix}.offpolicy_guidance.keep_topk", True,
+                 "multi-turn rollouts do not keep the guidance's top-K rows (the top-K forward KL is "
+                 f"single-turn only); expected false, or {prefix}.multi_turn.enable=false")  # fmt: skip
         shared = self.offpolicy_guidance.num_replicas
         if self.num_replicas is not None and shared is not None and shared > self.num_replicas:
             fail(f"{prefix}.offpolicy_guidance.num_replicas", shared,

@@ -133,11 +133,11 @@ def teacher_only_prefill(rollout: VLLMRollout, job: Job) -> Generated:
     with rollout.cores_to("draft"):
         seqs = rollout._draft_only(job.prompts, job.seeds[:, 0])
     with rollout.cores_to("guidance"):
-        _teacher_prefill(rollout, job.prompts, seqs)
+        teacher_prefill(rollout, job.prompts, seqs)
     return Generated(seqs)
 
 
-def _teacher_prefill(
+def teacher_prefill(
     rollout: VLLMRollout, prompts: list[list[int]], seqs: list[GuidedSequence]
 ) -> None:
     """Score whole sampled sequences on the guidance engine, one prefill each (in waves its
@@ -174,21 +174,25 @@ def speculative(rollout: VLLMRollout, job: Job) -> Generated:
     """Speculative guidance toward q_λ: the first `guided_samples` responses of each prompt
     guided, the others λ_t = 0 (the draft alone), with the gate `lam_gate` at the call's
     `entropy_threshold` τ (`speculative_mode.speculative_waves`)."""
-    guidance = rollout.config.offpolicy_guidance
-    subset = _guided_samples(guidance, job.n)
-    guided = (np.arange(len(job.prompts)) % job.n < subset) & (job.lam > 0.0)
-    tau = float(job.meta.get("entropy_threshold", guidance.entropy_threshold))
-    seqs, stats = speculative_waves(rollout, job.prompts, job.lam, job.seeds, guided,
-                                    _gate(guidance.lam_gate, tau))  # fmt: skip
+    guided, gate = guided_rows(rollout, job)
+    seqs, stats = speculative_waves(rollout, job.prompts, job.lam, job.seeds, guided, gate)
     return Generated(seqs, stats, guided)
 
 
-def _gate(name: str, tau: float) -> Callable[[np.ndarray], np.ndarray] | None:
-    """The per-position gate of λ (`lam_gate` `name`) with threshold τ; None: λ_t = λ."""
-    if name == "none":
-        return None
-    gate = LAM_GATES.get(name)
-    return lambda entropy: gate(entropy, tau)
+def guided_rows(
+    rollout: VLLMRollout, job: Job
+) -> tuple[np.ndarray, Callable[[np.ndarray], np.ndarray] | None]:
+    """Which of the job's B sequences are guided ((B,) bool: the first `guided_samples` of each
+    prompt's n, none at λ = 0) and the per-position gate of λ (`lam_gate` with the call's
+    `entropy_threshold` τ; None: λ_t = λ)."""
+    guidance = rollout.config.offpolicy_guidance
+    subset = _guided_samples(guidance, job.n)
+    guided = (np.arange(len(job.prompts)) % job.n < subset) & (job.lam > 0.0)
+    if guidance.lam_gate == "none":
+        return guided, None
+    tau = float(job.meta.get("entropy_threshold", guidance.entropy_threshold))
+    gate = LAM_GATES.get(guidance.lam_gate)
+    return guided, lambda entropy: gate(entropy, tau)
 
 
 # registers "multi_turn" (its module needs this one's Job and Generated, so it comes last)

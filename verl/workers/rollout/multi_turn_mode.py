@@ -1,36 +1,85 @@
-"""The `multi_turn` generation mode: tool-using episodes sampled by the draft engine alone.
+"""The multi-turn generation modes: tool-using episodes, the draft alone or guided.
 
-Token-in/token-out. Each turn of each active episode is one draft request whose prompt is the
-episode's whole token sequence so far (`TokensPrompt`: prompt ids, every earlier turn's ids as
-sampled, every tool delta's ids); with prefix caching (`enable_prefix_caching`, on by default)
-vLLM reuses the KV cache of that prefix, so a turn computes only its new tokens. Nothing is
-re-rendered or re-tokenized: a turn's ids and their sampled log-probs are kept exactly as the
-engine reports them, the tool deltas are token ids from `multi_turn.deltas`. Guidance across
-turns is not implemented (the config refuses guidance with multi-turn).
+Token-in/token-out. Each turn of each active episode is one request whose prompt is the
+episode's whole token sequence so far (prompt ids, every earlier turn's ids as sampled, every
+tool delta's ids); with prefix caching (`enable_prefix_caching`, on by default) vLLM reuses the
+KV cache of that prefix, so a turn computes only its new tokens. Nothing is re-rendered or
+re-tokenized: a turn's ids and their log-probs are kept exactly as sampled, the tool deltas are
+token ids from `multi_turn.deltas`. The modes, by the single-turn mode the call would use
+(`MULTI_TURN_MODES`):
+- "multi_turn" (draft_only): each turn sampled by the draft engine with the format's stop strings;
+- "multi_turn_speculative" (speculative): each turn a speculative generation toward q_λ on both
+  engines (`run_rounds`; an episode keeps its sessions from turn to turn, so a turn computes
+  only the tool delta before it and its own tokens), ended where the
+  draft engine would have stopped it (`MultiTurnRuntime.turn_end`: the fewest tokens whose text
+  holds a stop string; a stopping time, so every kept token is still an exact sample of q_λ
+  given its prefix, tool tokens included in the prefix); per policy token the same provenance,
+  log p, log q, log q̃ and λ_t as a single-turn response, so μ is exact token by token;
+- "multi_turn_prefill" (teacher_only_prefill, λ = 0): draft-only episodes, then the guidance
+  scores every episode's response in one prefill (log q at each policy token, given the tool
+  tokens before it).
 
-The loop (`run_episodes`): generate a turn for every active episode with the call format's stop
-strings (kept in the output) and EOS, at most the response budget left; read the turns and run
-the calls of all episodes at once (`MultiTurnRuntime.step`); append each continuing episode's
-delta; stop at EOS, a turn without a call, `max_turns` or the budget. `pack` lays them out.
+The loop (`run_episodes`): generate a turn for every active episode, at most the response budget
+left; read the turns and run the calls of all episodes at once (`MultiTurnRuntime.step`);
+append each continuing episode's delta; stop at EOS, a turn without a call, `max_turns` or the
+budget. `pack` lays them out; tool tokens carry no policy slot (0) and response_mask 0.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from verl.protocol import DataProto
-from verl.workers.rollout.modes import GENERATION_MODES, Generated, Job
-from verl.workers.rollout.multi_turn import MultiTurnRuntime, Trajectory, pack
+from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR
+from verl.workers.rollout.modes import (
+    GENERATION_MODES,
+    Generated,
+    Job,
+    guided_rows,
+    teacher_prefill,
+)
+from verl.workers.rollout.multi_turn import MultiTurnRuntime, Trajectory, pack, retokenized_tokens
+from verl.workers.rollout.packing import guidance_part
+from verl.workers.rollout.speculative import GuidedSequence, RoundStats
+from verl.workers.rollout.speculative_mode import run_rounds, sessions_freed, wave_size
 from verl.workers.rollout.vllm_sessions import sampled_log_probs
 
 if TYPE_CHECKING:
+    from verl.workers.rollout.config import OffPolicyGuidanceConfig
     from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
-MULTI_TURN_COUNTS = ("num_turns", "num_tool_calls", "num_tool_errors", "num_tool_truncated")
-"""Per-episode counts `pack` returns, carried in the batch as `multiturn_<name>` ((B,) long)."""
+MULTI_TURN_COUNTS = ("num_turns", "num_tool_calls", "num_tool_errors", "num_tool_truncated",
+                     "retokenized")  # fmt: skip
+"""Per-episode counts of the packed episodes (`pack`'s, and `_packed`'s `retokenized`), carried in
+the batch as `multiturn_<name>` ((B,) long)."""
+MULTI_TURN_MODES = {"draft_only": "multi_turn", "speculative": "multi_turn_speculative",
+                    "teacher_only_prefill": "multi_turn_prefill"}  # fmt: skip
+"""The multi-turn mode run in place of each single-turn mode (mix: refused by the config)."""
+GUIDED_SLOTS = ("guidance_log_probs", "target_log_probs", "guidance_lam", "draft_entropy",
+                "offpolicy")  # fmt: skip
+"""Per policy token slots of a guided turn, beside `rollout_log_probs` (the draft's log p)."""
+
+
+@dataclass
+class Turn:
+    """One policy turn of one episode as a turn function returns it."""
+
+    ids: list[int]
+    text: str
+    reason: str
+    """Why it ended (`runtime.FINISH_REASONS`)."""
+    slots: dict[str, list[float]]
+    seq: GuidedSequence | None = None
+    """The speculative generation behind it (guided turns)."""
+
+
+TurnFn = Callable[[list[int], list[list[int]], list[int], int], list[Turn]]
+"""(episode indices, their contexts, their token budgets, the turn number from 1) -> turns."""
 
 
 def finish_reason(completion) -> str:
@@ -51,11 +100,81 @@ def _turn_params(rollout: VLLMRollout, runtime: MultiTurnRuntime, budget: int, s
     return SamplingParams(**kwargs)
 
 
+def draft_turns(rollout: VLLMRollout, runtime: MultiTurnRuntime, seeds: np.ndarray) -> TurnFn:
+    """Turns by the draft engine alone (turn k of episode i sampled with seed seeds[i] + k - 1),
+    with the sampled log-probs as `rollout_log_probs`."""
+
+    def turns(active, contexts, budgets, turn):
+        params = [_turn_params(rollout, runtime, budget, int(seeds[i]) + turn - 1)
+                  for i, budget in zip(active, budgets, strict=True)]  # fmt: skip
+        requests = [{"prompt_token_ids": context} for context in contexts]
+        outputs = rollout.engines.draft.generate(requests, params, use_tqdm=False)
+        out = []
+        for completion in (o.outputs[0] for o in outputs):
+            ids, log_probs = sampled_log_probs(completion)
+            out.append(Turn(ids, completion.text, finish_reason(completion),
+                            {"rollout_log_probs": log_probs}))  # fmt: skip
+        return out
+
+    return turns
+
+
+@dataclass
+class GuidedTurns:
+    """Turns by speculative guidance (`run_rounds`), ended at the format's stop strings. Episode
+    i (a row of `prompts`) is guided when `guided[i]` (else λ_t = 0), its acceptance draws seeded
+    `seeds[i, 1]` + k - 1 at turn k, and keeps its sessions on both engines from turn to turn
+    (named by i: a turn computes only the tool delta and its own tokens). Keeps every turn's
+    sequence and the rounds' counters."""
+
+    rollout: VLLMRollout
+    runtime: MultiTurnRuntime
+    lam: float
+    seeds: np.ndarray
+    guided: np.ndarray
+    gate: Callable[[np.ndarray], np.ndarray] | None
+    stats: RoundStats = field(default_factory=RoundStats)
+    seqs: list[GuidedSequence] = field(default_factory=list)
+
+    def __call__(self, active, contexts, budgets, turn):
+        runtime, seeds = self.runtime, self.seeds[active].copy()
+        seeds[:, 1] += turn - 1
+        batches = run_rounds(self.rollout, contexts, self.lam, seeds, self.guided[active], self.gate,
+                             budgets, lambda _, tokens: runtime.turn_end(tokens), ids=active)  # fmt: skip
+        order = {i: row for row, i in enumerate(active)}
+        seqs: list[GuidedSequence] = [None] * len(active)  # type: ignore[list-item]
+        for batch in batches:
+            self.stats.add(batch.stats)
+            for i, seq in zip(batch.ids, batch.seqs, strict=True):
+                seqs[order[i]] = seq
+        self.seqs.extend(seqs)
+        return [Turn(s.tokens, runtime.turn_text(s.tokens), self._reason(s), self._slots(s), s)
+                for s in seqs]  # fmt: skip
+
+    def _reason(self, seq: GuidedSequence) -> str:
+        if seq.stopped:
+            return "tool_call"
+        eos = self.rollout.eos_token_id
+        ended = not self.rollout._ignore_eos and seq.tokens and seq.tokens[-1] == eos
+        return "eos" if ended else "length"
+
+    def _slots(self, seq: GuidedSequence) -> dict[str, list[float]]:
+        n = len(seq.tokens)
+        return {
+            "rollout_log_probs": seq.draft_log_probs,
+            "guidance_log_probs": seq.guidance_log_probs,
+            "target_log_probs": seq.target_log_probs or seq.guidance_log_probs,
+            "guidance_lam": seq.lam or [self.lam] * n,
+            "draft_entropy": seq.draft_entropy or [float("nan")] * n,
+            "offpolicy": [float(o) for o in seq.offpolicy],
+        }
+
+
 def run_episodes(
-    rollout: VLLMRollout, runtime: MultiTurnRuntime, prompts: list[list[int]], seeds: np.ndarray
+    rollout: VLLMRollout, runtime: MultiTurnRuntime, prompts: list[list[int]], turns: TurnFn
 ) -> tuple[list[Trajectory], list[bool]]:
-    """The episodes of `prompts` (one seed each, turn k sampled with seed + k) and whether each
-    ended at `max_turns` with calls left unanswered or at the response budget."""
+    """The episodes of `prompts`, each turn from `turns`, and whether each ended at `max_turns`
+    with calls left unanswered or at the response budget."""
     limit = rollout._max_tokens
     episodes = [Trajectory(list(p)) for p in prompts]
     cut = [False] * len(prompts)
@@ -63,50 +182,108 @@ def run_episodes(
     turn = 0
     while active:
         turn += 1
-        used = {i: len(episodes[i].response_ids) for i in active}
-        params = [_turn_params(rollout, runtime, limit - used[i], int(seeds[i]) + turn - 1)
-                  for i in active]  # fmt: skip
-        requests = [{"prompt_token_ids": episodes[i].context_ids()} for i in active]
-        outputs = rollout.engines.draft.generate(requests, params, use_tqdm=False)
-        completions = [out.outputs[0] for out in outputs]
-        reasons = [finish_reason(c) for c in completions]
-        outcomes = runtime.step([c.text for c in completions], reasons, [turn] * len(active))
+        budgets = [limit - len(episodes[i].response_ids) for i in active]
+        made = turns(active, [episodes[i].context_ids() for i in active], budgets, turn)
+        outcomes = runtime.step([t.text for t in made], [t.reason for t in made], [turn] * len(active))  # fmt: skip
         still = []
-        for i, completion, reason, outcome in zip(
-            active, completions, reasons, outcomes, strict=True
-        ):
-            ids, log_probs = sampled_log_probs(completion)
-            episodes[i].add_turn(ids, rollout_log_probs=log_probs)
+        for i, made_i, outcome in zip(active, made, outcomes, strict=True):
+            episodes[i].add_turn(made_i.ids, **made_i.slots)
             outcome.append_to(episodes[i])
-            if reason == "tool_call" and outcome.calls and not outcome.continues:
+            if made_i.reason == "tool_call" and outcome.calls and not outcome.continues:
                 cut[i] = True  # max_turns reached with calls left
             elif outcome.continues and len(episodes[i].response_ids) >= limit:
                 cut[i] = True  # the delta used up (or overran) the budget
             elif outcome.continues:
                 still.append(i)
-            elif reason == "length":
+            elif made_i.reason == "length":
                 cut[i] = True
         active = still
     return episodes, cut
 
 
+def _packed(rollout: VLLMRollout, episodes: list[Trajectory], cut: list[bool]) -> dict:
+    """`pack`, with the turn loop's cuts in `truncated` and each episode's `retokenized` count
+    (`retokenized_tokens` of its kept response: a diagnostic)."""
+    width = rollout.config.response_length
+    packed = pack(episodes, width, rollout.pad_token_id)
+    packed["truncated"] = packed["truncated"] | torch.tensor(cut, dtype=torch.bool)
+    tokenizer = rollout.multi_turn_runtime().tokenizer
+    packed["retokenized"] = torch.tensor([retokenized_tokens(tokenizer, e, width) for e in episodes],
+                                         dtype=torch.long)  # fmt: skip
+    return packed
+
+
 @GENERATION_MODES.register("multi_turn")
 def multi_turn(rollout: VLLMRollout, job: Job) -> Generated:
-    """Multi-turn episodes by the draft engine (`run_episodes`), packed (`pack`) in `packed`."""
+    """Multi-turn episodes by the draft engine (`draft_turns`), packed in `packed`."""
     runtime = rollout.multi_turn_runtime()
-    episodes, cut = run_episodes(rollout, runtime, job.prompts, job.seeds[:, 0])
-    packed = pack(episodes, rollout.config.response_length, rollout.pad_token_id)
-    packed["truncated"] = packed["truncated"] | torch.tensor(cut, dtype=torch.bool)
-    return Generated([], packed=packed)
+    turns = draft_turns(rollout, runtime, job.seeds[:, 0])
+    episodes, cut = run_episodes(rollout, runtime, job.prompts, turns)
+    return Generated([], packed=_packed(rollout, episodes, cut))
+
+
+@GENERATION_MODES.register("multi_turn_speculative")
+def multi_turn_speculative(rollout: VLLMRollout, job: Job) -> Generated:
+    """Multi-turn episodes whose every turn is speculative guidance toward q_λ (`GuidedTurns`):
+    the first `guided_samples` episodes of each prompt guided, with the gate `lam_gate`. In
+    waves of episodes whose sessions (prompt and whole response budget) fit both KV caches,
+    each wave's sessions freed once all its episodes ended."""
+    runtime = rollout.multi_turn_runtime()
+    guided, gate = guided_rows(rollout, job)
+    wave = wave_size(rollout, [len(p) for p in job.prompts], rollout._max_tokens)
+    episodes, cut, seqs, stats = [], [], [], RoundStats()
+    for start in range(0, len(job.prompts), wave):
+        rollout._call += 1  # session ids are unique per wave
+        part = slice(start, start + wave)
+        turns = GuidedTurns(rollout, runtime, job.lam, job.seeds[part], guided[part], gate)
+        with sessions_freed(rollout):
+            done, cut_part = run_episodes(rollout, runtime, job.prompts[part], turns)
+        episodes += done
+        cut += cut_part
+        seqs += turns.seqs
+        stats.add(turns.stats)
+    return Generated(seqs, stats, guided, packed=_packed(rollout, episodes, cut))
+
+
+@GENERATION_MODES.register("multi_turn_prefill")
+def multi_turn_prefill(rollout: VLLMRollout, job: Job) -> Generated:
+    """λ = 0 by prefill: draft-only episodes, then each episode's kept response scored by the
+    guidance in one prefill (`teacher_prefill`); log q at every response token, read at the
+    policy tokens. Every token is the draft's: off-policy 0, log q̃ = log q, λ_t = λ."""
+    runtime = rollout.multi_turn_runtime()
+    episodes, cut = run_episodes(rollout, runtime, job.prompts,
+                                 draft_turns(rollout, runtime, job.seeds[:, 0]))  # fmt: skip
+    packed = _packed(rollout, episodes, cut)
+    width = rollout.config.response_length
+    seqs = [GuidedSequence(e.response_ids[:width]) for e in episodes]
+    with rollout.cores_to("guidance"):
+        teacher_prefill(rollout, job.prompts, seqs)
+    guide = torch.zeros_like(packed["rollout_log_probs"], dtype=torch.float64)
+    for i, seq in enumerate(seqs):
+        guide[i, : len(seq.tokens)] = torch.tensor(seq.guidance_log_probs, dtype=torch.float64)
+    policy = packed["response_mask"].bool()
+    packed.update(guidance_log_probs=guide * policy, target_log_probs=guide * policy,
+                  guidance_lam=torch.full_like(guide, job.lam) * policy,
+                  draft_entropy=torch.full_like(guide, float("nan")),
+                  offpolicy=torch.zeros_like(guide))  # fmt: skip
+    return Generated([], guided=np.zeros(len(job.prompts), dtype=bool), packed=packed)
 
 
 def multi_turn_dataproto(
-    prompt_length: int, pad_token_id: int, prompts: list[list[int]], packed: dict
+    guidance: OffPolicyGuidanceConfig,
+    prompt_length: int,
+    pad_token_id: int,
+    prompts: list[list[int]],
+    packed: dict,
+    lam: float,
+    guided: np.ndarray | None,
 ) -> DataProto:
     """The packed episodes in EasyR1's layout: `prompts` left-padded, `responses`,
     `input_ids`, `attention_mask` (tool tokens 1), `position_ids`, `response_mask` (tool tokens
-    0), `rollout_log_probs` (at policy positions), `tool_mask`, `turn_index`, and per episode
-    `multiturn_truncated` (bool) and `multiturn_<count>` (MULTI_TURN_COUNTS)."""
+    0), `rollout_log_probs` (the draft's log p at policy positions), `tool_mask`, `turn_index`,
+    per episode `multiturn_truncated` (bool) and `multiturn_<count>` (MULTI_TURN_COUNTS); with
+    guidance (`GUIDED_SLOTS` packed), `packing.guidance_part`'s tensors as for one turn (μ, the
+    masks, λ_t, the draft's entropy, `guided_responses`), read at policy tokens only."""
     b = len(prompts)
     prompt_t = torch.full((b, prompt_length), pad_token_id, dtype=torch.long)
     prompt_mask = torch.zeros(b, prompt_length, dtype=torch.long)
@@ -115,6 +292,7 @@ def multi_turn_dataproto(
         prompt_mask[i, prompt_length - len(p) :] = 1
     resp_mask = packed["response_mask"].float()
     attention = torch.cat([prompt_mask, packed["response_attention_mask"]], dim=1)
+    draft_lp = packed["rollout_log_probs"].float().clamp(min=LOG_PROB_FLOOR)
     tensors = {
         "prompts": prompt_t,
         "responses": packed["responses"],
@@ -122,12 +300,20 @@ def multi_turn_dataproto(
         "attention_mask": attention,
         "position_ids": (attention.cumsum(-1) - 1).clamp(min=0) * attention,
         "response_mask": resp_mask,
-        "rollout_log_probs": packed["rollout_log_probs"] * resp_mask,
+        "rollout_log_probs": draft_lp * resp_mask,
         "tool_mask": packed["tool_mask"].float(),
         "turn_index": packed["turn_index"],
         "multiturn_truncated": packed["truncated"],
         **{f"multiturn_{name}": packed[name] for name in MULTI_TURN_COUNTS},
     }
+    if guidance.enable and all(name in packed for name in GUIDED_SLOTS):
+        policy = resp_mask.bool()
+        entropy = packed["draft_entropy"].float().masked_fill(~policy, float("nan"))
+        guide = packed["guidance_log_probs"].float()
+        target = packed["target_log_probs"].float()
+        guided = np.zeros(b, dtype=bool) if guided is None else guided
+        tensors.update(guidance_part(guidance, draft_lp, guide, target, packed["offpolicy"].bool(),
+                                     resp_mask, packed["guidance_lam"], entropy, lam, guided))  # fmt: skip
     return DataProto.from_dict(tensors)
 
 
@@ -148,4 +334,7 @@ def multi_turn_metrics(batch: dict) -> dict[str, float]:
         ).item(),
         M.MULTITURN_TRUNCATED_FRAC: batch["multiturn_truncated"].float().mean().item(),
         M.MULTITURN_TOOL_TOKEN_FRAC: (tool_tokens / kept.clamp(min=1)).item(),
+        M.MULTITURN_RETOKENIZED_FRAC: (
+            batch["multiturn_retokenized"].sum() / kept.clamp(min=1)
+        ).item(),
     }

@@ -12,7 +12,7 @@ import torch
 
 from verl.protocol import DataProto
 from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR, guidance_tensors
-from verl.workers.rollout.config import RolloutConfig
+from verl.workers.rollout.config import OffPolicyGuidanceConfig, RolloutConfig
 from verl.workers.rollout.speculative import GuidedSequence, RoundStats
 
 
@@ -94,13 +94,33 @@ def to_dataproto(
     if guidance.enable and guidance.keep_topk:
         tensors.update(_topk_tensors(seqs, r_len, num_logprobs))
     if guidance.enable:
-        per_token = any(s.lam for s in seqs) and (lam_t != lam).any()  # a gate or a subset
-        tensors.update(guidance_tensors(draft_lp, rows["guide_lp"], rows["off"], resp_mask,
-                                        lam_t if per_token else lam, guidance.mode, guidance.behavior,
-                                        rows["target_lp"]))  # fmt: skip
-        tensors.update(guidance_lam=(lam_t * resp_mask).float(), draft_entropy=rows["entropy"],
-                       guided_responses=torch.from_numpy(guided))  # fmt: skip
+        tensors.update(guidance_part(guidance, draft_lp, rows["guide_lp"], rows["target_lp"],
+                                     rows["off"], resp_mask, lam_t, rows["entropy"], lam, guided))  # fmt: skip
     return DataProto.from_dict(tensors)
+
+
+def guidance_part(
+    guidance: OffPolicyGuidanceConfig,
+    draft_lp: torch.Tensor,
+    guide_lp: torch.Tensor,
+    target_lp: torch.Tensor,
+    off: torch.Tensor,
+    response_mask: torch.Tensor,
+    lam_t: torch.Tensor,
+    entropy: torch.Tensor,
+    lam: float,
+    guided: np.ndarray,
+) -> dict[str, torch.Tensor]:
+    """A guided batch's tensors from its per-token (B, T) log p, log q, log q̃, off-policy flags,
+    λ_t and draft entropies: `guidance_tensors`' (μ and the masks; λ_t per token only where it
+    differs from the step's λ on some response token: a gate or a guided subset),
+    `guidance_lam`, `draft_entropy` and `guided_responses` (`guided`, (B,))."""
+    per_token = bool((lam_t[response_mask.bool()] != lam).any())
+    out = guidance_tensors(draft_lp, guide_lp, off, response_mask, lam_t if per_token else lam,
+                           guidance.mode, guidance.behavior, target_lp)  # fmt: skip
+    out.update(guidance_lam=(lam_t * response_mask).float(), draft_entropy=entropy,
+               guided_responses=torch.from_numpy(guided))  # fmt: skip
+    return out
 
 
 def _topk_tensors(seqs: list[GuidedSequence], width: int, k: int) -> dict[str, torch.Tensor]:

@@ -42,6 +42,8 @@ class GuidedSequence:
     empty where the response was not sampled speculatively: μ then uses `guidance_log_probs`)."""
     target_tv: list[float] = field(default_factory=list)
     """TV(target, q_λ) at each token's position (empty as `target_log_probs`)."""
+    stopped: bool = False
+    """It ended where the batch's `stop` rule said (e.g. at a tool call's closing string)."""
     lam: list[float] = field(default_factory=list)
     """λ_t of each token's position (empty as `target_log_probs`)."""
     draft_entropy: list[float] = field(default_factory=list)
@@ -85,6 +87,11 @@ class SpeculativeBatch:
     Per-position λ_t = lam · lam_scale[sequence] · gate(H_t), H_t the draft's entropy at the
     position (`listed_entropy` of its row; `gate` maps (N,) entropies to factors in [0, 1]):
     `lam_scale` 0 makes a sequence draft-only (exactly p), `gate` None means 1.
+    `max_new_tokens`: one limit for all, or one per prompt. `stop(row, tokens) -> n | None`: after
+    each round, whether sequence `row`'s response `tokens` ended at n tokens (n at most
+    len(tokens), past those it had before the round); the rest of the round is dropped and the
+    sequence ends, `stopped`. A stop that depends only on the response so far (a stopping time)
+    keeps every kept token an exact sample of q_λ given its prefix.
     """
 
     def __init__(
@@ -92,24 +99,28 @@ class SpeculativeBatch:
         prompts: list[list[int]],
         lam: float,
         num_speculative_tokens: int,
-        max_new_tokens: int,
+        max_new_tokens: int | list[int],
         eos_token_id: int | None,
         generator: torch.Generator | list[torch.Generator] | None = None,
         ids: list[int] | None = None,
         bonus: bool = False,
         lam_scale: list[float] | None = None,
         gate: Callable[[np.ndarray], np.ndarray] | None = None,
+        stop: Callable[[int, list[int]], int | None] | None = None,
     ) -> None:
         self.prompts, self.lam, self.generator, self.bonus = prompts, lam, generator, bonus
-        self.gate = gate
+        self.gate, self.stop = gate, stop
         self.lam_scale = (
             np.ones(len(prompts)) if lam_scale is None else np.asarray(lam_scale, dtype=np.float64)
         )
-        self.k, self.max_new_tokens, self.eos_token_id = (
-            num_speculative_tokens,
-            max_new_tokens,
-            eos_token_id,
+        self.k, self.eos_token_id = num_speculative_tokens, eos_token_id
+        self.limits = (
+            [int(max_new_tokens)] * len(prompts)
+            if isinstance(max_new_tokens, (int, np.integer))
+            else [int(m) for m in max_new_tokens]
         )
+        if len(self.limits) != len(prompts):
+            raise ValueError(f"{len(self.limits)} token limits for {len(prompts)} prompts")
         self.ids = list(range(len(prompts))) if ids is None else list(ids)
         self.seqs = [GuidedSequence() for _ in prompts]
         self.stats = RoundStats()
@@ -121,14 +132,14 @@ class SpeculativeBatch:
 
     @property
     def done(self) -> bool:
-        """Every sequence ended (EOS or `max_new_tokens`)."""
+        """Every sequence ended (EOS, `stop` or its `max_new_tokens`)."""
         return all(s.finished for s in self.seqs)
 
     def next_round(self) -> tuple[list[int], list[list[int]], list[int]]:
         """(ids, prefixes, budget) of the active sequences: prompt + emitted tokens, and how many
         tokens the draft may propose for each (at most k, never past `max_new_tokens`)."""
         self._rows = [r for r, s in enumerate(self.seqs) if not s.finished]
-        room = [self.max_new_tokens - len(self.seqs[r].tokens) for r in self._rows]
+        room = [self.limits[r] - len(self.seqs[r].tokens) for r in self._rows]
         self._budget = [min(self.k, left) for left in room]
         self.lookahead = [self.bonus and left > self.k for left in room]
         prefixes = [self.prompts[r] + self.seqs[r].tokens for r in self._rows]
@@ -249,12 +260,20 @@ class SpeculativeBatch:
 
     def _append(self, r: int, tokens: list, *values: list) -> None:
         """Append emitted tokens and their (off-policy, log p, log q, log q̃, tv, λ_t, H_t) to
-        sequence r, ending it at EOS or `max_new_tokens`."""
+        sequence r, ending it at EOS, at `stop` or at its `max_new_tokens`."""
         seq = self.seqs[r]
         if self.eos_token_id in tokens:
             end = tokens.index(self.eos_token_id) + 1
             tokens, values = tokens[:end], tuple(v[:end] for v in values)
             seq.finished = True
+        ended = None if self.stop is None else self.stop(r, seq.tokens + tokens)
+        if ended is not None:
+            keep = ended - len(seq.tokens)
+            if not 0 < keep <= len(tokens):
+                raise ValueError(f"stop rule: sequence {self.ids[r]} ended at {ended} tokens, "
+                                 f"outside this round's {len(seq.tokens) + 1}..{len(seq.tokens) + len(tokens)}")  # fmt: skip
+            tokens, values = tokens[:keep], tuple(v[:keep] for v in values)
+            seq.finished = seq.stopped = True
         seq.tokens += tokens
         off, lp, lq, lt, tv, lam, entropy = values
         seq.offpolicy += off
@@ -265,7 +284,7 @@ class SpeculativeBatch:
         seq.lam += lam
         seq.draft_entropy += entropy
         self.stats.emitted += len(tokens)
-        if len(seq.tokens) >= self.max_new_tokens:
+        if len(seq.tokens) >= self.limits[r]:
             seq.finished = True
 
 

@@ -9,7 +9,8 @@ the guidance's rows L-1 .. L+n-2: a scoring chunk recomputes from position L-1 o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,57 +41,88 @@ def speculative_waves(
     gate: Callable[[np.ndarray], np.ndarray] | None,
 ) -> tuple[list[GuidedSequence], RoundStats]:
     """Speculative guidance in waves of sequences whose sessions fit both KV caches at once
-    (a session keeps its KV blocks from its first round to its last). A wave is split into
-    `pipeline_groups` groups whose rounds interleave across the two engines. Sequences not
-    `guided` (B,) sample the draft alone (λ_t = 0); `gate` maps draft entropies to λ_t / λ;
-    `seeds` (B, 2) as `sequence_seeds`."""
-    longest = max(map(len, prompts)) + rollout._max_tokens + 1
-    wave = min(
-        rollout.draft_sessions.capacity(longest), rollout.engines.guidance.call("capacity", longest)
-    )
-    eos = None if rollout._ignore_eos else rollout.eos_token_id
+    (a session keeps its KV blocks from its first round to its last), each wave's sessions freed
+    after it. Sequences not `guided` (B,) sample the draft alone (λ_t = 0); `gate` maps draft
+    entropies to λ_t / λ; `seeds` (B, 2) as `sequence_seeds`."""
+    wave = wave_size(rollout, [len(p) for p in prompts], rollout._max_tokens)
     seqs, stats = [], RoundStats()
     for start in range(0, len(prompts), wave):
         rollout._call += 1  # session ids are unique per wave
         part = slice(start, start + wave)
-        batches = _run_wave(rollout, prompts[part], lam, seeds[part], guided[part], gate, eos)
+        with sessions_freed(rollout):
+            batches = run_rounds(rollout, prompts[part], lam, seeds[part], guided[part], gate)
         for batch in batches:
             seqs.extend(batch.seqs)
             stats.add(batch.stats)
     return seqs, stats
 
 
-def _run_wave(
+def wave_size(rollout: VLLMRollout, prompt_lengths: list[int], new_tokens: int) -> int:
+    """How many sessions of a prompt and `new_tokens` more (and one lookahead token) both
+    engines' KV caches hold at once."""
+    longest = max(prompt_lengths) + new_tokens + 1
+    return min(
+        rollout.draft_sessions.capacity(longest), rollout.engines.guidance.call("capacity", longest)
+    )
+
+
+@contextmanager
+def sessions_freed(rollout: VLLMRollout) -> Iterator[None]:
+    """Every session opened inside the block is freed on both engines at its end (after an
+    error too, best effort: `run_rounds` has drained the guidance's answers in flight)."""
+    try:
+        yield
+    except BaseException:
+        rollout.draft_sessions.close()
+        with suppress(RuntimeError):
+            rollout.engines.guidance.call("close")
+        raise
+    rollout.draft_sessions.close()
+    rollout.engines.guidance.call("close")
+
+
+def run_rounds(
     rollout: VLLMRollout,
-    part: list[list[int]],
+    prompts: list[list[int]],
     lam: float,
-    part_seeds: np.ndarray,
+    seeds: np.ndarray,
     guided: np.ndarray,
     gate: Callable[[np.ndarray], np.ndarray] | None,
-    eos: int | None,
+    limits: list[int] | None = None,
+    stop: Callable[[int, list[int]], int | None] | None = None,
+    ids: list[int] | None = None,
 ) -> list[SpeculativeBatch]:
-    """One wave's sequences, in `pipeline_groups` batches run overlapped; every session of the
-    wave is freed on both engines after it (or after an error, best effort)."""
+    """Speculative rounds until every sequence of `prompts` ended, in `pipeline_groups` batches
+    run overlapped; the sessions stay open (`sessions_freed` frees them). `ids` (B,) name each
+    sequence's sessions on both engines within the call (default 0..B-1): a sequence continued
+    under the same id (the next turn of an episode, its prompt the old one plus the tokens since)
+    reuses its sessions' KV cache and computes only the new tokens. `limits` (B,) each
+    sequence's most new tokens (None: the call's `max_tokens`); `stop(b, tokens)` as
+    `SpeculativeBatch`'s, b the sequence's row here; `seeds` (B, 2) as `sequence_seeds` (the
+    draft's sampling seed applies to a session's first chunk)."""
     guidance = rollout.config.offpolicy_guidance
+    ids = list(range(len(prompts))) if ids is None else list(ids)
+    limits = [rollout._max_tokens] * len(prompts) if limits is None else list(limits)
+    eos = None if rollout._ignore_eos else rollout.eos_token_id
     scale = guided.astype(np.float64)
-    gens = [torch.Generator().manual_seed(int(s)) for s in part_seeds[:, 1]]
-    groups = np.array_split(np.arange(len(part)), min(guidance.pipeline_groups, len(part)))
-    batches = [SpeculativeBatch([part[i] for i in g], lam, guidance.num_speculative_tokens, rollout._max_tokens, eos,
-                                [gens[i] for i in g], ids=g.tolist(), bonus=guidance.bonus_token,
-                                lam_scale=scale[g].tolist(), gate=gate) for g in groups]  # fmt: skip
+    gens = [torch.Generator().manual_seed(int(s)) for s in seeds[:, 1]]
+    groups = np.array_split(np.arange(len(prompts)), min(guidance.pipeline_groups, len(prompts)))
+    batches = [SpeculativeBatch([prompts[i] for i in g], lam, guidance.num_speculative_tokens, [limits[i] for i in g],
+                                eos, [gens[i] for i in g], ids=[ids[i] for i in g], bonus=guidance.bonus_token,
+                                lam_scale=scale[g].tolist(), gate=gate,
+                                stop=None if stop is None else (lambda r, tokens, g=g: stop(int(g[r]), tokens)))
+               for g in groups]  # fmt: skip
+    seed_of = dict(zip(ids, seeds[:, 0].tolist(), strict=True))
     draft = _DraftRounds(rollout.draft_sessions, f"d{rollout._call}-",
-                         lambda i, m, s=part_seeds[:, 0]: rollout._draft_params(m, rollout.num_logprobs, int(s[i])))  # fmt: skip
+                         lambda i, m: rollout._draft_params(m, rollout.num_logprobs, int(seed_of[i])))  # fmt: skip
     scorer = GuidanceScorer(rollout.engines.guidance, f"g{rollout._call}-", rollout.num_logprobs,
                             rollout._guidance_processing(), rollout._counters)  # fmt: skip
     stagger = -(-guidance.num_speculative_tokens // len(batches))  # spread over one round
     try:
         overlapped_generate(batches, draft, scorer, stagger)
     except BaseException:
-        rollout.draft_sessions.close()
-        scorer.abandon()
+        scorer.drain()
         raise
-    rollout.draft_sessions.close()
-    rollout.engines.guidance.call("close")
     rollout._counters.lookups += draft.lookups
     return batches
 
@@ -140,16 +172,13 @@ class GuidanceScorer:
         self.counters.tail_mass.append(tables.tail_mass())  # after processing: 1 - Q_S
         return tables, ListedRows(next_ids, next_values)
 
-    def abandon(self) -> None:
-        """After an error: collect the answers still in flight and free the wave's sessions, so
-        the engine stays usable (best effort: the error being raised is the one that matters)."""
-        try:
+    def drain(self) -> None:
+        """After an error: collect the answers still in flight, so the engine stays usable and
+        its sessions can be freed (best effort: the error being raised is the one that matters)."""
+        with suppress(RuntimeError):
             while self.in_flight:
                 self.in_flight -= 1
                 self.channel.result()
-            self.channel.call("close")
-        except RuntimeError:
-            pass
 
 
 @dataclass

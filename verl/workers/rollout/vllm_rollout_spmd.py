@@ -27,7 +27,7 @@ from verl.protocol import DataProto
 from verl.workers.rollout.config import RolloutConfig
 from verl.workers.rollout.engine_lifecycle import EngineLifecycle
 from verl.workers.rollout.modes import GENERATION_MODES, Job, pick_mode, whole_response
-from verl.workers.rollout.multi_turn_mode import multi_turn_dataproto
+from verl.workers.rollout.multi_turn_mode import MULTI_TURN_MODES, multi_turn_dataproto
 from verl.workers.rollout.packing import Counters, to_dataproto, unpad_prompts
 from verl.workers.rollout.speculative import GuidedSequence
 from verl.workers.rollout.vllm_sessions import sampled_log_probs
@@ -120,12 +120,12 @@ class VLLMRollout(EngineLifecycle):
         seeds = sequence_seeds(step_seed, int(meta.get("first_row", 0)), len(prompt_ids), n)
         self._counters = Counters()
         mode, lam = pick_mode(self.config.offpolicy_guidance, meta, n)
-        if self.config.multi_turn.enable:  # draft-only episodes (guidance refused by the config)
-            mode, lam = "multi_turn", 0.0
+        if self.config.multi_turn.enable:  # the mode's multi-turn form (mix: refused by the config)
+            mode = MULTI_TURN_MODES[mode]
         result = GENERATION_MODES.get(mode)(self, Job(repeated, n, seeds, lam, meta))
         if result.packed is not None:
-            out = multi_turn_dataproto(self.config.prompt_length, self.pad_token_id, repeated,
-                                       result.packed)  # fmt: skip
+            out = multi_turn_dataproto(self.config.offpolicy_guidance, self.config.prompt_length,
+                                       self.pad_token_id, repeated, result.packed, lam, result.guided)  # fmt: skip
             return self._finish(out, prompts, n, result, lam)
         guided = np.zeros(len(repeated), dtype=bool) if result.guided is None else result.guided
         out = to_dataproto(self.config, self.pad_token_id, self.num_logprobs, repeated,

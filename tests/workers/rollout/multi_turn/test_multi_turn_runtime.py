@@ -109,3 +109,58 @@ def test_hermes_on_the_smollm2_template(real_pair):
     assert outcome.delta.ids == tool_delta_ids(smol, ["13"]).ids
     assert decode(smol, outcome.delta.ids) == (
         "<|im_end|>\n<|im_start|>tool\n13<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+
+
+def test_turn_end_is_where_the_engine_would_stop(char):
+    """A guided turn is sampled without stop strings and cut at `turn_end`: the fewest tokens
+    whose text holds a stop string; `turn_text` as vLLM reports a turn stopped there."""
+    runtime = MultiTurnRuntime(EMBEDDED, char, use_chat_template=False)
+    ids = char("ab[lookup:k07]xy]z", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 18  # one token per character
+    # "ab[lookup:k07]" is 14 characters: the 14th token completes the first "]"
+    assert runtime.turn_end(ids) == 14
+    assert runtime.turn_end(ids[:13]) is None and runtime.turn_end(ids[:14]) == 14
+    assert runtime.turn_text(ids) == "ab[lookup:k07]"
+    assert runtime.turn_text(ids[:13]) == "ab[lookup:k07"  # no stop string: the whole text
+
+
+def test_turn_end_with_a_multi_token_stop_string(real_pair):
+    """hermes's `</tool_call>` spans several SmolLM2 tokens: the turn ends at the token that
+    completes it (every shorter prefix's text lacks it)."""
+    from transformers import AutoTokenizer
+
+    smol = AutoTokenizer.from_pretrained(real_pair.guidance)
+    runtime = MultiTurnRuntime(MultiTurnConfig(enable=True, tools=["calculator"]), smol)
+    call = get_format("hermes").render_call("calculator", {"expression": "1+2"})
+    ids = smol(f"Sure. {call} and more text", add_special_tokens=False)["input_ids"]
+    end = runtime.turn_end(ids)
+    assert end is not None and end < len(ids)
+    assert "</tool_call>" in smol.decode(ids[:end])
+    assert "</tool_call>" not in smol.decode(ids[: end - 1])
+    assert runtime.turn_text(ids) == f"Sure. {call}"
+
+
+def test_retokenized_tokens_counts_what_a_text_round_trip_changes(real_pair):
+    """On SmolLM2's tokenizer: sampled ids that are the tokenizer's own encoding survive a text
+    round trip (and so does the ChatML tool delta); the same text sampled one character at a
+    time ("Ġanswer" as Ġ, a, n, s, w, e, r: 7 ids) re-encodes to the one token, so all 7 are
+    counted."""
+    from transformers import AutoTokenizer
+
+    from verl.workers.rollout.multi_turn import retokenized_tokens
+
+    smol = AutoTokenizer.from_pretrained(real_pair.guidance)
+    prompt = smol("Say it.", add_special_tokens=False)["input_ids"]
+    canonical = smol(" The answer", add_special_tokens=False)["input_ids"]
+    assert smol.convert_ids_to_tokens(canonical) == ["ĠThe", "Ġanswer"]
+    clean = Trajectory(prompt)
+    clean.add_turn(canonical)
+    clean.add_tool(tool_delta_ids(smol, ["42"]).ids)
+    assert retokenized_tokens(smol, clean) == 0
+    chars = smol.convert_tokens_to_ids(list("Ġanswer"))
+    split = Trajectory(prompt)
+    split.add_turn([canonical[0], *chars])
+    split.add_tool(tool_delta_ids(smol, ["42"]).ids)
+    assert smol.decode(split.response_ids) == smol.decode(clean.response_ids)  # the same text
+    assert retokenized_tokens(smol, split) == 7
+    assert retokenized_tokens(smol, split, limit=1) == 0  # only "ĠThe" kept: nothing changes

@@ -41,7 +41,9 @@ def test_two_episodes_by_hand():
     assert out["response_attention_mask"].tolist() == [[1] * 7 + [0], [1] * 8]
     assert out["turn_index"].tolist() == [[0, 0, 0, 0, 0, 1, 1, -1], [0, 0, 0, 0, 0, 1, 1, 1]]
     lp = [[-0.1, -0.2, -0.3, 0, 0, -0.4, -0.5, 0], [-1, -2, 0, 0, 0, -3, -4, -5]]
-    torch.testing.assert_close(out["lp"], torch.tensor(lp), rtol=0, atol=0)
+    torch.testing.assert_close(
+        out["lp"], torch.tensor(lp, dtype=torch.float64), rtol=0, atol=0
+    )  # slots as given (float64)
     assert out["off"].tolist() == [[0, 1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 1, 0]]
     assert out["truncated"].tolist() == [False, True]  # b: 9 tokens, budget 8, 35 dropped
     assert out["response_length"].tolist() == [7, 8]

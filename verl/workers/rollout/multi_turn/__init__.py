@@ -4,23 +4,23 @@ Design: token-in/token-out. An episode's tokens are the prompt's ids, each polic
 exactly as sampled, and after each turn that called tools the *delta* of the tool messages
 (`deltas.py`: rendered on a fixed dummy history, never on the real one). History is never
 re-rendered, so every policy token keeps the exact context, log-prob and μ it was sampled with;
-`deltas.retokenization_mismatch` only measures how far a re-rendering would drift.
+`trajectory.retokenized_tokens` only measures how far a text round trip would drift.
 
 Modules: `config` (MultiTurnConfig), `tools` (TOOLS, describe_tool, run_tool_calls), `parsing`
 (TOOL_CALL_FORMATS: hermes, embedded; stop strings), `deltas` (tool_delta_ids), `trajectory`
 (Trajectory, pack), `runtime` (MultiTurnRuntime: the engine-free half of the loop).
 
-The turn loop on the engines (to wire into the split rollout)
--------------------------------------------------------------
+The turn loop on the engines (`../multi_turn_mode.py`)
+-----------------------------------------------------
 For a batch of episodes, each with one session per engine (draft, and guidance when enabled):
 
 1. Generate one turn for every active episode with the format's stop strings
    (`runtime.stop_strings`, kept in the output) and EOS, at most `response_length - used`
    tokens. Guided speculative rounds run unchanged inside a turn; the rollout checks the decoded
    *emitted* tokens for a stop string after each round and cuts the turn at the token completing
-   it. The tokens dropped after it were never part of the episode: the cut is a stopping time (a
-   function of the prefix), so the kept tokens' μ is unchanged. Mix mode: the guidance is the
-   sampler of its episodes, turn by turn, the same way.
+   it (`MultiTurnRuntime.turn_end`). The tokens dropped after it were never part of the episode:
+   the cut is a stopping time (a function of the prefix), so the kept tokens' μ is unchanged.
+   (Mix mode is refused with multi-turn.)
 2. Record the turn: `trajectory.add_turn(ids, rollout_log_probs=..., behavior_log_probs=...,
    offpolicy_mask=..., ...)`, one value per sampled token; μ stays exact per policy token.
 3. `runtime.step(texts, finish_reasons, turns_done)`: parse every turn; the calls of all
@@ -50,19 +50,21 @@ and `compute` (score position: the last token with response_mask 1, the final tu
 score would land on a masked token and be lost), `RayPPOTrainer._val_samples` and
 `val/response_length`, `trainer/metrics.compute_data_metrics` (`response_length/*`, clip ratio).
 
-Wiring done: `RolloutConfig.multi_turn` (validated; refused with guidance), `main.resolve_tools`
-in `check_inputs`, the draft-only `multi_turn` generation mode (`../multi_turn_mode.py`), the
-multiturn/* metric names, `response_length/*` counting tool tokens.
+Wiring done: `RolloutConfig.multi_turn` (validated; mix and keep_topk refused with guidance),
+`main.resolve_tools` in `check_inputs`, `main.tool_instructions` (the system message of chat
+prompts), the multi-turn generation modes (draft-only, speculative with each episode's sessions
+kept across turns, λ = 0 prefill scoring), the multiturn/* metric names, `response_length/*`,
+`val/response_length` and the validation samples counting tool tokens.
 
-Wiring left to do
------------------
-- Guidance across turns (steps 1 and 4 above on the sessions of both engines).
+Left to do
+----------
 - `load_reward_function` can delegate to
   `verl.utils.user_functions.load_function(spec, REWARD_FUNCTIONS, "worker.reward.reward_function")`
   (same errors, tested).
-- The prompts: `runtime.instructions()` as a system message (or `tools=` of
-  `apply_chat_template` where the template renders tools itself, e.g. Qwen2.5).
-- Per-status tool metrics (`tools.TOOL_STATUSES`) and the tool-delta truncations.
+- `tools=` of `apply_chat_template` where the template renders tools itself (Qwen2.5), in place of
+  the format's own instructions as the system message.
+- Per-status tool metrics (`tools.TOOL_STATUSES`) and the tool-delta truncations; a per-turn
+  structure in the reward input.
 """
 
 from verl.workers.rollout.multi_turn.config import MultiTurnConfig
@@ -81,7 +83,7 @@ from verl.workers.rollout.multi_turn.tools import (
     load_tools,
     run_tool_calls,
 )
-from verl.workers.rollout.multi_turn.trajectory import Segment, Trajectory, pack
+from verl.workers.rollout.multi_turn.trajectory import Segment, Trajectory, pack, retokenized_tokens
 
 __all__ = [
     "TOOLS",
@@ -100,6 +102,7 @@ __all__ = [
     "load_tools",
     "pack",
     "retokenization_mismatch",
+    "retokenized_tokens",
     "run_tool_calls",
     "tool_delta_ids",
 ]

@@ -68,6 +68,35 @@ class MultiTurnRuntime:
         """Where the engine stops a turn (with `include_stop_str_in_output`)."""
         return list(self.format.stop_strings)
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """A turn's text as the engine detokenizes it (special tokens skipped)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def turn_end(self, ids: Sequence[int]) -> int | None:
+        """Where a turn sampled without the engine's stop strings ends as the engine would have
+        ended it: the fewest leading `ids` whose text holds a stop string (the token completing
+        it kept), or None when their text holds none. (A prefix's text is a prefix of the whole
+        text, so the search halves the range.)"""
+
+        def has_stop(n: int) -> bool:
+            text = self.decode(ids[:n])
+            return any(stop in text for stop in self.stop_strings)
+
+        if not has_stop(len(ids)):
+            return None
+        low, high = 0, len(ids)  # has_stop(low) is False, has_stop(high) is True
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (low, mid) if has_stop(mid) else (mid, high)
+        return high
+
+    def turn_text(self, ids: Sequence[int]) -> str:
+        """A turn's text up to the end of its first stop string, as the engine reports a turn it
+        stopped there (`include_stop_str_in_output`); the whole text when it holds none."""
+        text = self.decode(ids)
+        ends = [text.index(stop) + len(stop) for stop in self.stop_strings if stop in text]
+        return text[: min(ends)] if ends else text
+
     def instructions(self) -> str:
         """System-prompt text describing the tools and how to call them."""
         return self.format.instructions([tool.schema() for tool in self.tools.values()])

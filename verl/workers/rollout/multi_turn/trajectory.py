@@ -86,6 +86,25 @@ class Trajectory:
         return sum(status != "ok" for status in self.tool_statuses)
 
 
+def retokenized_tokens(tokenizer, trajectory: Trajectory, limit: int | None = None) -> int:
+    """A diagnostic of what token-in/token-out avoids: how many of the episode's first `limit`
+    response tokens (None: all) a text round trip would change, i.e. tokens of the response not
+    in the matching blocks (`difflib`) between the episode's ids (prompt and response) and
+    `tokenizer(decode(prompt + response))`. An agent loop that keeps the
+    conversation as text and re-tokenizes it trains on those changed tokens instead of the
+    sampled ones (a sampled "1","2" re-encoded as "12", a tool result merged with what follows).
+    Training never uses the re-encoded ids."""
+    from difflib import SequenceMatcher
+
+    sequence = [*trajectory.prompt_ids, *trajectory.response_ids[:limit]]
+    text = tokenizer.decode(sequence, skip_special_tokens=False)
+    again = tokenizer(text, add_special_tokens=False)["input_ids"]
+    n = len(trajectory.prompt_ids)
+    blocks = SequenceMatcher(None, sequence, again, autojunk=False).get_matching_blocks()
+    kept = sum(max(0, a + size - max(a, n)) for a, _, size in blocks)  # matched response tokens
+    return len(sequence) - n - kept
+
+
 def _slot_names(trajectories: Sequence[Trajectory]) -> list[str]:
     """The slot names of the batch; ValueError when a policy segment lacks one of them."""
     names = sorted(
@@ -120,8 +139,8 @@ def _row(trajectory: Trajectory, names: list[str]) -> dict[str, torch.Tensor]:
         parts["turn"].append(torch.full((n,), turn, dtype=torch.long))
         for name in names:
             values = segment.slots[name] if policy else [0.0] * n
-            parts[name].append(torch.tensor(values, dtype=torch.float32).reshape(n))
-    empty = {"ids": torch.long, "turn": torch.long}
+            parts[name].append(torch.tensor(values, dtype=torch.float64).reshape(n))
+    empty = {"ids": torch.long, "turn": torch.long, **dict.fromkeys(names, torch.float64)}
     return {k: torch.cat(v) if v else torch.zeros(0, dtype=empty.get(k, torch.float32))
             for k, v in parts.items()}  # fmt: skip
 
@@ -135,8 +154,8 @@ def pack(
     policy tokens: the only ones any loss, advantage or token metric reads); `tool_mask`
     (float32, 1 on tool tokens); `response_attention_mask` (long, 1 on every kept token: tool
     tokens are context); `turn_index` (long, k on policy turn k, 0-based, and on the tool delta
-    answering it, -1 on padding); one float32 tensor per slot name (the slot's value at each
-    policy token, 0 on tool tokens and padding).
+    answering it, -1 on padding); one float64 tensor per slot name (the slot's value at each
+    policy token as given, 0 on tool tokens and padding).
     Per episode (B,): `truncated` (bool, the budget cut the response), `response_length` (kept
     tokens), `num_turns`, `num_tool_calls`, `num_tool_errors`, `num_tool_truncated` (long, of the
     whole episode, also past a cut).
@@ -149,7 +168,7 @@ def pack(
         "tool_mask": torch.zeros(b, t),
         "response_attention_mask": torch.zeros(b, t, dtype=torch.long),
         "turn_index": torch.full((b, t), -1, dtype=torch.long),
-        **{name: torch.zeros(b, t) for name in names},
+        **{name: torch.zeros(b, t, dtype=torch.float64) for name in names},
         "truncated": torch.zeros(b, dtype=torch.bool),
         "response_length": torch.zeros(b, dtype=torch.long),
     }

