@@ -103,7 +103,11 @@ THRESHOLD_GAINS = (0.20, 0.40)
 so the table shows +40 as well)."""
 TUNE_SEED = 99
 """The seed learning rates are tuned on (`--tune`); the table reports seeds 0, 1, 2, ..."""
-TUNE_LRS = {"arithmetic": (5e-5, 1e-4, 2e-4), "runsum": (1e-4, 3e-4, 1e-3), "toolchain": (1e-4, 3e-4, 1e-3)}
+TUNE_LRS = {
+    "arithmetic": (5e-5, 1e-4, 2e-4),
+    "runsum": (1e-4, 3e-4, 1e-3),
+    "toolchain": (1e-4, 3e-4, 1e-3),
+}
 """Task -> the learning rates `tune` tries per cell (arithmetic: 5e-4 and up drove a draft to 0
 in earlier runs; runsum: around the 2e-4 a GRPO probe learned with, and 1e-3 because every cell
 picked the upper edge of (1e-4, 3e-4))."""
