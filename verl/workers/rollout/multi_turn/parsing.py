@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,22 +44,22 @@ class ToolCall:
     """Why the call is malformed; None for a well-formed one."""
 
 
-class ToolCallFormat:
+class ToolCallFormat(ABC):
     """Base of the formats: a subclass sets `stop_strings` and implements the methods."""
 
     stop_strings: tuple[str, ...] = ()
 
+    @abstractmethod
     def parse(self, text: str) -> tuple[list[ToolCall], bool]:
         """(calls in order, whether any is malformed) of one turn's decoded text."""
-        raise NotImplementedError
 
+    @abstractmethod
     def render_call(self, name: str, arguments: dict[str, Any] | list[Any]) -> str:
         """The text of a well-formed call."""
-        raise NotImplementedError
 
+    @abstractmethod
     def instructions(self, schemas: Sequence[dict[str, Any]]) -> str:
         """System-prompt text: the tools (`Tool.schema()` dicts) and how to call them."""
-        raise NotImplementedError
 
 
 @TOOL_CALL_FORMATS.register("hermes")
