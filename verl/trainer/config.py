@@ -265,6 +265,7 @@ class PPOConfig:
         return [
             ("worker.rollout.prompt_length", "data.max_prompt_length", data.max_prompt_length),
             ("worker.rollout.response_length", "data.max_response_length", data.max_response_length),
+            ("worker.rollout.multi_turn.chat_template", "data.apply_chat_template", data.apply_chat_template),
             (f"{actor}.use_kl_loss", "algorithm.use_kl_loss (and not algorithm.disable_kl)",
              algo.use_kl_loss and not algo.disable_kl),
             (f"{actor}.kl_penalty", "algorithm.kl_penalty", algo.kl_penalty),

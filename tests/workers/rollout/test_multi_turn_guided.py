@@ -40,7 +40,7 @@ def guided(pair):
                         prompt_length=16, response_length=RESPONSE_LENGTH, max_num_batched_tokens=8192, seed=0)  # fmt: skip
     mt = cfg.multi_turn
     mt.enable, mt.tools, mt.tool_call_format, mt.max_turns = True, ["lookup"], "embedded", MAX_TURNS
-    mt.max_tool_response_length = 16
+    mt.max_tool_response_length, mt.chat_template = 16, False  # plain prompts, plain deltas
     g = cfg.offpolicy_guidance
     g.enable, g.model_path, g.dtype, g.logprobs, g.gpu_memory_utilization = (
         True,

@@ -53,7 +53,7 @@ def rollout(model):
                         prompt_length=16, response_length=RESPONSE_LENGTH, max_num_batched_tokens=8192, seed=0)  # fmt: skip
     mt = cfg.multi_turn
     mt.enable, mt.tools, mt.tool_call_format, mt.max_turns = True, ["lookup"], "embedded", MAX_TURNS
-    mt.max_tool_response_length = 16
+    mt.max_tool_response_length, mt.chat_template = 16, False  # plain prompts, plain deltas
     cfg.validate("worker.rollout")
     return VLLMRollout(model, cfg, tok.eos_token_id, tok.pad_token_id), tok
 

@@ -145,3 +145,13 @@ def test_reward_sees_the_trajectory_and_scores_the_last_policy_token():
                                 "tool_mask": tool}, {"ground_truth": np.array(["x"], dtype=object)})  # fmt: skip
     scores, _ = manager.compute(data)
     assert scores[0].tolist() == [0, 0, 0, 5.0, 0, 0]  # 5 tokens seen, score at the last policy one
+
+
+def test_tool_deltas_follow_the_prompts_chat_template_setting():
+    """Plain prompts (data.apply_chat_template=false, the embedded tasks) get plain deltas
+    (`=text\\n`), chat prompts chat-template tool turns: the rollout's runtime reads
+    multi_turn.chat_template, which the post-init pass copies from data.apply_chat_template."""
+    from verl.trainer.config import load_config
+
+    assert load_config(["data.apply_chat_template=false"]).worker.rollout.multi_turn.chat_template is False
+    assert load_config([]).worker.rollout.multi_turn.chat_template is True

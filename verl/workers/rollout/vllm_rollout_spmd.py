@@ -62,7 +62,8 @@ class VLLMRollout(EngineLifecycle):
             from verl.workers.rollout.multi_turn import MultiTurnRuntime
 
             tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            self._multi_turn_runtime = MultiTurnRuntime(self.config.multi_turn, tokenizer)
+            config = self.config.multi_turn  # deltas rendered as the prompts were (chat or plain)
+            self._multi_turn_runtime = MultiTurnRuntime(config, tokenizer, config.chat_template)
         return self._multi_turn_runtime
 
     # ------------------------------------------------------------------ sampling settings

@@ -28,6 +28,8 @@ class MultiTurnConfig:
     """How the policy writes a tool call (TOOL_CALL_FORMATS): hermes or embedded."""
     max_parallel_tools: int = 8
     """Tool calls of a batch run at once at most (threads)."""
+    chat_template: bool = True
+    """auto: data.apply_chat_template (tool results as chat-template tool turns, else plain `=text\n`)."""
 
     def validate(self, prefix: str) -> None:
         """Fail fast, in one line naming the key, on a bad value."""
