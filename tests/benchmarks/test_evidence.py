@@ -101,7 +101,6 @@ def test_run_args_carry_the_cell_seed_and_models(tmp_path):
 
 def test_every_cell_validates_as_a_config(tmp_path):
     from verl.trainer.config import load_config
-
     from verl.utils.config_checks import ConfigError
 
     for cell in E.CELLS:
@@ -109,7 +108,9 @@ def test_every_cell_validates_as_a_config(tmp_path):
             args = E.run_args(cell, "/d", "/g", 0, 30, 5, tmp_path, extra)
             if task == "toolchain" and any(a.endswith("mode=mix") for a in args):
                 # multi-turn guides token by token: a mix cell is refused in one line
-                with pytest.raises(ConfigError, match="multi-turn rollouts are guided token by token"):
+                with pytest.raises(
+                    ConfigError, match="multi-turn rollouts are guided token by token"
+                ):
                     load_config(args[3:])
                 assert cell.name not in E.TASK_CELLS[task]
                 continue

@@ -95,7 +95,9 @@ def test_two_step_guided_multi_turn_run_trains_and_logs_its_metrics(tmp_path):
             assert row[key] is not None and math.isfinite(row[key]), (key, row[key])
         assert row["multiturn/tool_calls_mean"] > 0
         assert 0 < row["multiturn/tool_token_frac"] < 1
-        assert 0 < row["guidance/offpolicy_token_ratio"] < 1  # the guidance wrote some policy tokens
+        assert (
+            0 < row["guidance/offpolicy_token_ratio"] < 1
+        )  # the guidance wrote some policy tokens
     before = load_file(os.path.join(draft, "model.safetensors"))
     after = load_file(os.path.join(run_dir, "global_step_2", "actor", "hf", "model.safetensors"))
     changed = [k for k in before if not torch.equal(before[k], after[k])]

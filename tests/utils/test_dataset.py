@@ -75,7 +75,9 @@ def test_multi_turn_chat_prompts_get_the_tool_instructions():
     from verl.trainer.config import load_config
     from verl.trainer.main import tool_instructions
 
-    config = load_config(["worker.rollout.multi_turn.enable=true", "worker.rollout.multi_turn.tools=[calculator]"])
+    config = load_config(
+        ["worker.rollout.multi_turn.enable=true", "worker.rollout.multi_turn.tools=[calculator]"]
+    )
     text = tool_instructions(config)
     assert '"name": "calculator"' in text and "<tool_call>" in text  # hermes, the default format
     config.data.apply_chat_template = False

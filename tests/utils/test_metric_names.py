@@ -81,5 +81,7 @@ def test_every_metric_name_written_in_the_package_is_in_the_reference():
             text = node.value if isinstance(node, ast.Constant) else None
             if isinstance(text, str) and name.match(text) and not M.is_known(text):
                 unknown.append(f"{path.relative_to(root)}:{node.lineno}: {text}")
-    assert not unknown, "metric names missing from verl/utils/metric_names.py:\n" + "\n".join(unknown)
+    assert not unknown, "metric names missing from verl/utils/metric_names.py:\n" + "\n".join(
+        unknown
+    )
     assert set(M.ALL_FIXED) <= set(METRIC_DOCS), sorted(set(M.ALL_FIXED) - set(METRIC_DOCS))

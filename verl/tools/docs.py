@@ -124,7 +124,9 @@ def algorithm_table() -> str:
             first = doc.split("\n\n")[0].replace("\n", " ")
             formula = first.split(" Paper:")[0].split(" Ref:")[0].strip()
             aliases = "".join(f" (alias `{a}`)" for a in registry.aliases(name))
-            lines.append(f"| `{key}` | `{name}`{aliases} | {_cell(formula)} | {_paper_links(doc)} |")
+            lines.append(
+                f"| `{key}` | `{name}`{aliases} | {_cell(formula)} | {_paper_links(doc)} |"
+            )
     return "\n".join(lines)
 
 

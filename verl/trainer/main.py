@@ -153,7 +153,9 @@ def tool_instructions(config: PPOConfig) -> str | None:
     if not (multi_turn.enable and config.data.apply_chat_template):
         return None
     tools = load_tools(multi_turn.tools, "worker.rollout.multi_turn.tools")
-    return get_format(multi_turn.tool_call_format).instructions([t.schema() for t in tools.values()])
+    return get_format(multi_turn.tool_call_format).instructions(
+        [t.schema() for t in tools.values()]
+    )
 
 
 def resolve_tools(config: PPOConfig) -> list[str]:

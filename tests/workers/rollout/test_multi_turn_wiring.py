@@ -153,5 +153,8 @@ def test_tool_deltas_follow_the_prompts_chat_template_setting():
     multi_turn.chat_template, which the post-init pass copies from data.apply_chat_template."""
     from verl.trainer.config import load_config
 
-    assert load_config(["data.apply_chat_template=false"]).worker.rollout.multi_turn.chat_template is False
+    assert (
+        load_config(["data.apply_chat_template=false"]).worker.rollout.multi_turn.chat_template
+        is False
+    )
     assert load_config([]).worker.rollout.multi_turn.chat_template is True
