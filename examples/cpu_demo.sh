@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The recipe behind `make demo`: guided GRPO on the embedded arithmetic task with tiny models
-# built once under .cache/embedded/. Hardware: any CPU (2 cores take about 7 minutes); a GPU is
+# built once under .cache/embedded/. Hardware: any CPU (2 cores take about 6 minutes, model build included); a GPU is
 # used when present. Environment: PYTHON. Extra arguments are key=value overrides (or --dry-run).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
