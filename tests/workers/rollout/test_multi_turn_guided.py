@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_multi_turn_rollout import MAX_TURNS, _runs, call_prone_model, prompt_batch
+from test_multi_turn_rollout import (
+    _runs,
+    call_prone_model,
+    multi_turn_config,
+    prompt_batch,
+)
 
-from verl.workers.rollout.config import RolloutConfig
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
 pytestmark = pytest.mark.vllm
@@ -36,11 +40,7 @@ def guided(pair):
 
     draft, guide = pair
     tok = AutoTokenizer.from_pretrained(draft)
-    cfg = RolloutConfig(n=4, temperature=1.0, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.02,
-                        prompt_length=16, response_length=RESPONSE_LENGTH, max_num_batched_tokens=8192, seed=0)  # fmt: skip
-    mt = cfg.multi_turn
-    mt.enable, mt.tools, mt.tool_call_format, mt.max_turns = True, ["lookup"], "embedded", MAX_TURNS
-    mt.max_tool_response_length, mt.chat_template = 16, False  # plain prompts, plain deltas
+    cfg = multi_turn_config(n=4, response_length=RESPONSE_LENGTH)
     g = cfg.offpolicy_guidance
     g.enable, g.model_path, g.dtype, g.logprobs, g.gpu_memory_utilization = (
         True,

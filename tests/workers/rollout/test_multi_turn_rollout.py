@@ -49,13 +49,20 @@ def rollout(model):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    cfg = RolloutConfig(n=2, temperature=1.0, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.02,
-                        prompt_length=16, response_length=RESPONSE_LENGTH, max_num_batched_tokens=8192, seed=0)  # fmt: skip
-    mt = cfg.multi_turn
-    mt.enable, mt.tools, mt.tool_call_format, mt.max_turns = True, ["lookup"], "embedded", MAX_TURNS
-    mt.max_tool_response_length, mt.chat_template = 16, False  # plain prompts, plain deltas
+    cfg = multi_turn_config(n=2, response_length=RESPONSE_LENGTH)
     cfg.validate("worker.rollout")
     return VLLMRollout(model, cfg, tok.eos_token_id, tok.pad_token_id), tok
+
+
+def multi_turn_config(n: int, response_length: int) -> RolloutConfig:
+    """The engines of these tests (float32, eager, a small memory share) with multi-turn on:
+    the `lookup` tool in the embedded format, MAX_TURNS turns, plain prompts and plain deltas."""
+    cfg = RolloutConfig(n=n, temperature=1.0, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.02,
+                        prompt_length=16, response_length=response_length, max_num_batched_tokens=8192, seed=0)  # fmt: skip
+    mt = cfg.multi_turn
+    mt.enable, mt.tools, mt.tool_call_format, mt.max_turns = True, ["lookup"], "embedded", MAX_TURNS
+    mt.max_tool_response_length, mt.chat_template = 16, False
+    return cfg
 
 
 def prompt_batch(tok, texts: list[str]) -> DataProto:
