@@ -31,7 +31,7 @@ test-vllm: env
 test-e2e: env
 	$(PY) -m pytest -q -m e2e $(PYTEST_ARGS)
 
-# On a CUDA machine: the gpu test tier, a colocated 2-step guided run (MODEL_PATH, GUIDANCE_PATH)
+# On a CUDA machine: the FSDP actor alone, the gpu test tier, a colocated 2-step guided run (MODEL_PATH, GUIDANCE_PATH)
 # and the rollout benchmark, in one report (outputs/gpu_check/report.md; verl/tools/gpu_check.py).
 gpu-check:
 	@nvidia-smi -L >/dev/null 2>&1 || { echo "gpu-check: no NVIDIA GPU here (nvidia-smi -L fails); run it on a machine with one" >&2; exit 1; }

@@ -27,7 +27,7 @@ def test_unknown_part_is_refused_in_one_line(capsys):
     assert G.main(["--parts", "run,nope"]) == 2
     assert (
         capsys.readouterr().err
-        == "gpu-check: --parts nope not valid; valid: gpu-tier, run, bench\n"
+        == "gpu-check: --parts nope not valid; valid: actor, gpu-tier, run, bench\n"
     )
 
 
@@ -56,6 +56,7 @@ def test_the_two_step_run_is_a_valid_config_with_the_default_pair(tmp_path, caps
     assert "worker.rollout.offpolicy_guidance.gpu_memory_utilization = 0.3" in keys
 
 
+H100_REPORT = G.ROOT / "benchmarks" / "results" / "gpu_actor_check_h100.json"
 VLLM_LOG = """\
 (RolloutWorker pid=11) INFO 11-25 10:00:01 [vllm.py:812] Model Runner V2 requires Triton; using the V1 model runner instead
 (RolloutWorker pid=11) INFO 11-25 10:00:09 [gpu_worker.py:301] Available KV cache memory: 20.51 GiB
@@ -102,6 +103,7 @@ def test_the_report_is_assembled_from_the_parts_logs(tmp_path, monkeypatch, caps
     """Everything but the GPU: the three parts' processes are stood in for by canned logs (the
     run also writes its experiment log), and the report says what each part gave."""
     logs = {
+        "actor.log": "gpu-actor-check: 2 model(s) on cuda, 0 failure(s)\n",
         "gpu_tier.log": "1 passed, 2 skipped in 9.0s\n",
         "run.log": VLLM_LOG,
         "bench.log": BENCH_LOG,
@@ -111,6 +113,8 @@ def test_the_report_is_assembled_from_the_parts_logs(tmp_path, monkeypatch, caps
     def run_logged(command, log, timeout, env=None):
         commands.append(command)
         log.write_text(logs[log.name])
+        if log.name == "actor.log":  # the actor check's JSON: the one recorded on an H100
+            (log.parent / "actor.json").write_text(H100_REPORT.read_text())
         if log.name == "run.log":
             run = log.parent / "run"
             (run / "global_step_2").mkdir(parents=True)
@@ -126,7 +130,9 @@ def test_the_report_is_assembled_from_the_parts_logs(tmp_path, monkeypatch, caps
     monkeypatch.setattr(G.GpuMemorySampler, "_run", lambda self: None)  # no nvidia-smi here
     assert G.main(["--out", str(tmp_path)]) == 1  # the benchmark "failed"
     report = (tmp_path / "report.md").read_text()
-    assert "**gpu-tier: passed, run: passed, bench: FAILED (1)**" in report
+    assert "**actor: passed, gpu-tier: passed, run: passed, bench: FAILED (1)**" in report
+    assert "exit 0: gpu-actor-check: 2 model(s) on cuda, 0 failure(s)" in report
+    assert "bfloat16 worker mean 0.0417, max 0.2584" in report
     assert "exit 0: 1 passed, 2 skipped in 9.0s" in report
     assert "Model Runner V2 requires Triton" in report and "1,792,128 tokens" in report
     assert "worker.rollout.gpu_memory_utilization = 0.4" in report
@@ -135,6 +141,26 @@ def test_the_report_is_assembled_from_the_parts_logs(tmp_path, monkeypatch, caps
     assert report.count("Its last lines:") == 1  # the failed part's output, the benchmark's
     assert report.rstrip().endswith(f"```\n{BENCH_LOG.strip()}\n```")
     assert not (tmp_path / "run" / "global_step_2").exists()  # the final checkpoint is dropped
-    assert [c[1:4] for c in commands] == [["-m", "pytest", "-m"], ["-m", "verl.trainer.main",
-            commands[1][3]], ["benchmarks/bench_guided_rollout.py", "--repeats", "5"]]  # fmt: skip
+    assert commands[0][1:5] == [
+        "-m",
+        "verl.tools.gpu_actor_check",
+        "--model",
+        "Qwen/Qwen2.5-0.5B-Instruct",
+    ]
+    assert [c[1:4] for c in commands[1:]] == [["-m", "pytest", "-m"], ["-m", "verl.trainer.main",
+            commands[2][3]], ["benchmarks/bench_guided_rollout.py", "--repeats", "5"]]  # fmt: skip
     assert capsys.readouterr().out.endswith(f"report: {tmp_path / 'report.md'}\n")
+
+
+def test_the_actor_part_summarises_the_h100_report():
+    lines = G.actor_lines(H100_REPORT)
+    assert len(lines) == 3 and lines[-1] == ""  # two models, then a blank line
+    assert "float32 worker |Δ log π| max 1.17e-05" in lines[0]
+    assert (
+        "bfloat16 worker mean 0.0077, max 0.0630 (plain bfloat16 cast 0.0084, 0.0631)" in lines[0]
+    )
+    assert (
+        "bfloat16 worker mean 0.0417, max 0.2584 (plain bfloat16 cast 0.0403, 0.2061)" in lines[1]
+    )
+    assert lines[1].endswith("failures: none")
+    assert G.actor_lines(G.ROOT / "no_such_report.json") == []

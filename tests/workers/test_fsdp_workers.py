@@ -55,25 +55,30 @@ def make_batch(seed: int = 0):
     return data
 
 
-def reference_stats(model_path: str, data) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_stats(
+    model_path: str, data, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain HF forward per unpadded sequence: log π and Σπ² of every response token."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     log_probs, spi2 = torch.zeros(len(data), T), torch.zeros(len(data), T)
     with torch.no_grad():
         for i in range(len(data)):
             keep = data.batch["attention_mask"][i].bool()
             ids = data.batch["input_ids"][i][keep].unsqueeze(0)
             n = int(data.batch["response_mask"][i].sum())
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, -n - 1 : -1].double() / 0.9, -1)
+            logits = model(input_ids=ids.to(device)).logits[0, -n - 1 : -1].cpu()
+            logp = torch.log_softmax(logits.double() / 0.9, -1)
             log_probs[i, :n] = logp.gather(-1, ids[0, -n:].unsqueeze(-1)).squeeze(-1).float()
             spi2[i, :n] = logp.exp().pow(2).sum(-1).float()
     return log_probs, spi2
 
 
-def reference_log_probs(model_path: str, data) -> torch.Tensor:
-    return reference_stats(model_path, data)[0]
+def reference_log_probs(
+    model_path: str, data, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    return reference_stats(model_path, data, device, dtype)[0]
 
 
 def start_group(
@@ -292,12 +297,17 @@ def test_nccl_path_log_probs_on_cuda(model_path, ray_cluster):
         data = make_batch()
         out = group.dispatch("compute_log_prob", data)
         mask = data.batch["response_mask"].bool()
-        # The GPU computes in bfloat16 (FSDP mixed precision, worker.actor.fsdp.mp_param_dtype):
-        # 8 significant bits, a relative rounding of 2^-9 = 2e-3 per operation, against a float32
-        # reference. The same model cast to bfloat16 on CPU, 3 seeds x 3 batches of log-probs
-        # near -4.8: largest error 5.3e-3, mean 1.9e-3. Bounds 4x and 2.5x above that (cuBLAS
-        # may reduce in lower precision); a wrong token or shift costs whole nats.
-        error = (out.batch["old_log_probs"] - reference_log_probs(model_path, data))[mask].abs()
-        assert error.max() < 2e-2 and error.mean() < 5e-3, (error.max(), error.mean())
+        # The GPU computes in bfloat16 (FSDP mixed precision, worker.actor.fsdp.mp_param_dtype),
+        # whose error against float32 grows with the model (on an H100: mean 0.0077 on the
+        # embedded draft, 0.042 on SmolLM2's draft; benchmarks/results/gpu_actor_check_h100.json).
+        # So the bound is relative: at most 1.5x (mean) and 2x (max) the error of a plain HF
+        # forward of the same model cast to bfloat16 on the GPU (verl/tools/gpu_actor_check.py).
+        reference = reference_log_probs(model_path, data)
+        error = (out.batch["old_log_probs"] - reference)[mask].abs()
+        plain = (reference_log_probs(model_path, data, "cuda", torch.bfloat16) - reference)[
+            mask
+        ].abs()
+        assert error.mean() <= 1.5 * plain.mean() + 1e-3, (error.mean(), plain.mean())
+        assert error.max() <= 2 * plain.max() + 1e-2, (error.max(), plain.max())
     finally:
         group.shutdown()

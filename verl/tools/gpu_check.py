@@ -1,13 +1,16 @@
 """`make gpu-check`: what this project cannot run on its own machines, run on a user's CUDA box.
 
-Three parts, each in its own process with its log beside the report:
+Four parts, each in its own process with its log beside the report:
 
-1. the gpu test tier (`pytest -m gpu`);
-2. a colocated 2-step guided run: the draft `MODEL_PATH` (default Qwen/Qwen2.5-0.5B-Instruct)
+1. the FSDP actor alone (`verl/tools/gpu_actor_check.py` on `MODEL_PATH`): float32 log-probs,
+   entropy and Σπ² against a plain forward, bfloat16's error against a plain bfloat16 cast, a
+   PPO step in each precision (needs no vLLM or Ray);
+2. the gpu test tier (`pytest -m gpu`);
+3. a colocated 2-step guided run: the draft `MODEL_PATH` (default Qwen/Qwen2.5-0.5B-Instruct)
    trained with the guidance `GUIDANCE_PATH` (default Qwen/Qwen2.5-1.5B-Instruct, the draft's
    tokenizer) sharing `GPU_CHECK_GPUS` GPUs (default 1), on `TRAIN_FILES` (default
    hiyouga/math12k@train), 8 prompts x 4 samples of up to 256 tokens a step; hub ids or folders;
-3. the rollout benchmark (`benchmarks/bench_guided_rollout.py`): guided / draft-only wall time.
+4. the rollout benchmark (`benchmarks/bench_guided_rollout.py`): guided / draft-only wall time.
 
 One report, `outputs/gpu_check/report.md` (`--out`): versions (python, torch and its CUDA, vLLM,
 transformers, Ray, flash-attn, GPUs and driver), each part's outcome, the vLLM lines that name
@@ -17,7 +20,7 @@ engines), the run's mismatch/kl_v2 and timings per step, and the benchmark's rat
 
     make gpu-check                                    # all three parts
     MODEL_PATH=... GUIDANCE_PATH=... make gpu-check   # another same-tokenizer pair
-    python -m verl.tools.gpu_check --parts run        # one part (gpu-tier, run, bench)
+    python -m verl.tools.gpu_check --parts run        # one part (actor, gpu-tier, run, bench)
 
 Without a CUDA device it stops at once with one line (exit 1). Exit 0 when every part passed.
 """
@@ -38,14 +41,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("gpu-tier", "run", "bench")
+PARTS = ("actor", "gpu-tier", "run", "bench")
 DEFAULTS = {
     "MODEL_PATH": "Qwen/Qwen2.5-0.5B-Instruct",
     "GUIDANCE_PATH": "Qwen/Qwen2.5-1.5B-Instruct",
     "TRAIN_FILES": "hiyouga/math12k@train",
     "GPU_CHECK_GPUS": "1",
 }
-TIMEOUT_S = {"gpu-tier": 1800, "run": 3600, "bench": 1800}
+TIMEOUT_S = {"actor": 900, "gpu-tier": 1800, "run": 3600, "bench": 1800}
 """Each part's limit: a part that runs past it is stopped and reported as timed out."""
 RUNNER_LINE = re.compile(r"model runner|modelrunner|runner v[12]\b|runner class", re.I)
 KV_LINE = re.compile(
@@ -238,6 +241,22 @@ def run_logged(command: list[str], log: Path, timeout: int, env: dict | None = N
     return f"timed out after {timeout} s" if stopped.is_set() else proc.returncode
 
 
+def actor_lines(path: Path) -> list[str]:
+    """The actor check's figures per model, from its JSON report (none if it wrote none)."""
+    if not path.is_file():
+        return []
+    lines = []
+    for r in json.loads(path.read_text())["models"]:
+        fp32, bf16, plain = r["float32"], r["bfloat16"], r["plain_bf16"]["log_probs"]
+        lines += [f"- `{r['model']}` ({r['response_tokens']} response tokens): float32 worker "
+                  f"|Δ log π| max {fp32['log_probs']['max']:.2e}; bfloat16 worker mean "
+                  f"{bf16['log_probs']['mean']:.4f}, max {bf16['log_probs']['max']:.4f} (plain "
+                  f"bfloat16 cast {plain['mean']:.4f}, {plain['max']:.4f}); surrogate gain of a "
+                  f"step {fp32['surrogate_gain']:.3g} / {bf16['surrogate_gain']:.3g}; peak "
+                  f"{bf16['peak_gib']} GiB; failures: {'; '.join(r['failures']) or 'none'}"]  # fmt: skip
+    return [*lines, ""]
+
+
 def versions() -> list[str]:
     """Version lines of the stack and the GPUs."""
     lines = [f"python {platform.python_version()}"]
@@ -302,6 +321,14 @@ def main(argv: list[str] | None = None) -> int:
               "## Versions", "", *[f"- {line}" for line in versions()], ""]  # fmt: skip
     outcomes: dict[str, object] = {}
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")}
+
+    if "actor" in parts:
+        log, result = out / "actor.log", out / "actor.json"
+        command = [sys.executable, "-m", "verl.tools.gpu_actor_check", "--model", values["MODEL_PATH"], "--out", str(result)]  # fmt: skip
+        outcomes["actor"] = status = run_logged(command, log, TIMEOUT_S["actor"], env)
+        report += ["## FSDP actor alone (`verl/tools/gpu_actor_check.py`)", "",
+                   f"exit {status}: {last_line(log.read_text())}", "",
+                   *actor_lines(result), *failure_tail(status, log.read_text())]  # fmt: skip
 
     if "gpu-tier" in parts:
         log = out / "gpu_tier.log"

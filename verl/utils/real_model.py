@@ -152,7 +152,7 @@ def _matches(path: Path, wanted: dict) -> bool:
     return all(record.get(k) == v for k, v in wanted.items())
 
 
-def load_source(path: Path | None = None):
+def load_source(path: Path | None = None, tokenizer_dir: Path | None = None):
     """(config, float32 state dict, tokenizer) of the GGUF checkpoint, dequantized by
     transformers; the tokenizer's eos is `<|im_end|>` and it carries the chat template."""
     import transformers
@@ -162,7 +162,11 @@ def load_source(path: Path | None = None):
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = (
+            AutoTokenizer.from_pretrained(tokenizer_dir)
+            if tokenizer_dir
+            else AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        )
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32
@@ -228,6 +232,16 @@ def _write_checkpoint(path: Path, config, state: dict[str, torch.Tensor], tokeni
     finally:
         transformers.logging.set_verbosity(verbosity)
     tokenizer.save_pretrained(path)
+
+
+def write_draft(gguf: Path, out: Path, tokenizer_dir: Path | None = None,
+                dropped_layers: Sequence[int] = DROPPED_LAYERS) -> Path:  # fmt: skip
+    """The draft folder at `out`, built from a GGUF file at hand, without the cache or its record:
+    for a machine that has the file but not the distribution (`verl/tools/gpu_actor_check.py`)."""
+    config, state, tokenizer = load_source(Path(gguf), tokenizer_dir)
+    config, state = drop_layers(config, state, dropped_layers)
+    _write_checkpoint(Path(out), config, state, tokenizer)
+    return Path(out)
 
 
 @contextlib.contextmanager

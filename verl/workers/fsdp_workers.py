@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import ray
 import torch
 
 from verl.protocol import DataProto
@@ -285,6 +284,8 @@ class FSDPWorker:
 
     def environment(self) -> dict[str, Any]:
         """Where this rank runs (for logs and tests)."""
+        import ray  # here only: the worker itself runs without Ray (verl/tools/gpu_actor_check.py)
+
         return {
             "rank": self.rank,
             "world_size": self.world_size,
