@@ -14,6 +14,8 @@ INSTALL_REQUIRES = [
     "tokenizers>=0.21",
     "safetensors",
     "accelerate",
+    # LoRA adapters on the actor (worker.actor.model.lora; verl/utils/lora.py)
+    "peft==0.21.2",
     "tensordict>=0.9",
     "omegaconf>=2.3",
     "numpy",

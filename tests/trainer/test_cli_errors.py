@@ -281,6 +281,22 @@ def test_dry_run_fails_in_one_line_on_what_a_run_could_not_load(arg, start, tiny
     assert error_line(capsys).startswith(start)
 
 
+LORA = "worker.actor.model.lora"
+
+
+@pytest.mark.parametrize(
+    ("args", "start"),
+    [([f"{LORA}.rank=4", f"{LORA}.target_modules=q_proj,qproj"], f"error: {LORA}.target_modules: 'qproj' names no module of"),
+     ([f"{LORA}.rank=4", f"{LORA}.target_modules=lm_head"], f"error: {LORA}.target_modules: 'lm_head' is the LM head tied"),
+     ([f"{LORA}.rank=100000"], f"error: {LORA}.rank=100000 exceeds the smallest side"),
+     ([f"{LORA}.rank=-2"], f"error: {LORA}.rank=-2 is not valid; expected an integer >= 0")],
+)  # fmt: skip
+@pytest.mark.parametrize("dry", [True, False])
+def test_a_lora_the_model_cannot_take_fails_before_ray(args, start, dry, tiny, capsys):
+    assert main([*(["--dry-run"] if dry else []), *tiny, *args]) == 2  # a real run: before Ray
+    assert error_line(capsys).startswith(start)
+
+
 def test_dry_run_names_a_missing_reward_function(tiny, assets, capsys):
     path = assets["reward"].rsplit(":", 1)[0]
     assert main(["--dry-run", *tiny, f"worker.reward.reward_function={path}:absent"]) == 2

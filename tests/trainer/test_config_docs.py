@@ -27,6 +27,7 @@ EXPECTED_CLASSES = {
     "PPOConfig",
     "WorkerConfig",
     "ModelConfig",
+    "LoraConfig",
     "OptimConfig",
     "FSDPConfig",
     "OffloadConfig",

@@ -156,6 +156,10 @@ RUNS = [
                                             "distill": {"coef": 1.0, "mode": "loss", "topk_forward": True}},
                               "worker": {"rollout": {"offpolicy_guidance": {"lam": 0.0}}}},
      [*DISTILL_KEYS[:3], "actor/distill_loss"]),
+    # LoRA (configs/lora.yaml) with the KL loss on: the reference is the base, adapters off
+    ("lora", overlay("lora", worker={"actor": {"model": {"lora": {"rank": 8}}, "optim": {"lr": 1e-2}}},
+                     algorithm={"disable_kl": False, "use_kl_loss": True, "kl_coef": 0.1}),
+     ["actor/kl_loss"]),
     ("mentor", overlay("mentor", worker={"rollout": {"offpolicy_guidance": {"guided_samples": 2}}},
                        algorithm={"guided_advantage_decay_steps": 3}), MENTOR_KEYS),
     ("mentor_exact", overlay("mentor_exact", worker={"rollout": {"offpolicy_guidance": {"guided_samples": 2}}},
@@ -198,6 +202,8 @@ def test_two_step_run_trains_and_logs_finite_metrics(
         )
     if name.startswith("mentor"):
         check_mentor(name, steps)
+    if name == "lora":
+        check_lora(assets, run_dir, steps)
     if name == "mix":  # one of the n=4 samples per prompt is the guidance's: 1/4 of the tokens
         assert all(r["guidance/offpolicy_seq_ratio"] == pytest.approx(0.25) for r in steps)
         # the guidance never scores the draft's responses: their tokens are missing, not p; the
@@ -206,6 +212,24 @@ def test_two_step_run_trains_and_logs_finite_metrics(
         for r, share in zip(steps, token_share, strict=True):
             assert r["guidance/missing_logprob_ratio"] == pytest.approx(1 - share, abs=1e-6)
         assert not any("guidance/behavior_kl" in r for r in steps)
+
+
+def check_lora(assets, run_dir: str, steps: list[dict]) -> None:
+    """The export holds the merged model, in which only the adapted Linear weights moved (norms,
+    biases, embeddings are the base's), and the adapter alone, which PEFT loads onto the base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    hf = os.path.join(run_dir, "global_step_2", "actor", "hf")
+    before, after = weights(assets["draft"]), weights(hf)
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all(k.endswith("_proj.weight") for k in moved), sorted(moved)
+    base = AutoModelForCausalLM.from_pretrained(assets["draft"], dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, os.path.join(hf, "lora_adapter")).merge_and_unload()
+    for key, tensor in adapted.state_dict().items():
+        if key in after:  # (the tied LM head is the embeddings' tensor, saved once)
+            torch.testing.assert_close(tensor, after[key], rtol=0, atol=1e-6)
+    assert all(r["actor/kl_loss"] >= 0 for r in steps) and steps[-1]["actor/kl_loss"] > 0
 
 
 STACKED = {

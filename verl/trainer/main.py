@@ -105,6 +105,14 @@ def _check_attn_implementation(config: PPOConfig) -> None:
         resolve_attn_implementation(attn, "cuda" if config.trainer.use_gpu else "cpu")
 
 
+def _check_lora(config: PPOConfig, actor_path: str) -> None:
+    """LoRA's targets and rank against the actor's model (built on the meta device: no weights)."""
+    if config.worker.actor.model.lora.rank:
+        from verl.utils.lora import check_lora_targets
+
+        check_lora_targets(config.worker.actor.model.lora, actor_path)
+
+
 def check_models(config: PPOConfig) -> None:
     """Resolve every model path key to a local folder, in place (hub ids through the Hugging
     Face cache, downloaded when missing and the hub is reachable), then check the folders and
@@ -117,6 +125,7 @@ def check_models(config: PPOConfig) -> None:
     resolve_config_model_paths(config)
     actor_path = config.worker.actor.model.model_path
     _check_model_folder("worker.actor.model.model_path", actor_path)
+    _check_lora(config, actor_path)
     guidance = config.worker.rollout.offpolicy_guidance
     if guidance.enable:
         _check_model_folder("worker.rollout.offpolicy_guidance.model_path", guidance.model_path)
@@ -191,6 +200,8 @@ def check_inputs(config: PPOConfig, download: bool = False) -> str:
             pending.append(value)
         else:
             _check_model_folder(key, path)
+            if key == "worker.actor.model.model_path":
+                _check_lora(config, path)
     data = [("data.train_files", config.data.train_files)]
     if config.data.val_files:
         data.append(("data.val_files", config.data.val_files))

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from verl.utils.fsdp_utils import full_state_dict
+from verl.utils.lora import ADAPTER_DIR, is_lora, merged_state, save_adapter, scaling_of
 
 COMPLETE = "COMPLETE"
 
@@ -63,13 +64,17 @@ def is_complete(path: str) -> bool:
 
 
 def export_hf(model: nn.Module, path: str, tokenizer=None) -> None:
-    """Write config + safetensors weights (+ tokenizer) loadable by transformers and vLLM (collective)."""
+    """Write config + safetensors weights (+ tokenizer) loadable by transformers and vLLM (collective).
+    A LoRA actor writes its merged weights there, and its adapter alone in `lora_adapter/`."""
     from safetensors.torch import save_file
 
     state = full_state_dict(model)
     if _rank_world()[0] != 0:
         return
     os.makedirs(path, exist_ok=True)
+    if is_lora(model):  # the adapter alone (PEFT's format), and the merged model beside it
+        save_adapter(model, state, os.path.join(path, ADAPTER_DIR))
+        state = merged_state(state, scaling_of(model))
     config = model.config
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)

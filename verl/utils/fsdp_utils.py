@@ -153,7 +153,8 @@ def apply_fsdp2(
             param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype]
         )
     kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp is not None else {})
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    base = model.get_base_model() if hasattr(model, "peft_config") else model  # LoRA: PEFT's wrap
+    layers = getattr(getattr(base, "model", None), "layers", None)
     for layer in layers if layers is not None else []:
         fully_shard(layer, reshard_after_forward=full_shard, **kwargs)
     fully_shard(model, **kwargs)
@@ -237,8 +238,14 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def bucket_plan(model: nn.Module, bucket_bytes: int) -> list[list[str]]:
     """State-dict names in order, grouped into buckets of at most `bucket_bytes` unsharded bytes
     (a larger tensor is a bucket of its own). The same on every rank (global shapes)."""
+    return group_by_size(model.state_dict(), bucket_bytes)
+
+
+def group_by_size(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+    """The names of `tensors` in order, in buckets of at most `bucket_bytes` global bytes each
+    (a larger tensor is a bucket of its own)."""
     plan, current, size = [], [], 0
-    for name, tensor in model.state_dict().items():
+    for name, tensor in tensors.items():
         nbytes = tensor.numel() * tensor.element_size()  # a DTensor's numel is its global one
         if current and size + nbytes > bucket_bytes:
             plan.append(current)

@@ -27,12 +27,14 @@ from verl.utils.fsdp_utils import (
     free_port,
     full_state_dict,
     full_tensors,
+    group_by_size,
     init_distributed,
     load_hf_model,
     offload_notice,
     release_cuda_cache,
     reshard_all,
 )
+from verl.utils.lora import AdaptersOff, apply_lora, is_lora, merge, scaling_of, sync_sources
 from verl.utils.shared_tensors import SharedTensors, to_shared
 from verl.utils.worker_logs import redirect_worker_output
 from verl.workers.actor.config import OptimConfig
@@ -114,6 +116,8 @@ class FSDPWorker:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+        if trainable and model_cfg.lora.rank:  # base frozen, adapters trained (verl/utils/lora.py)
+            model = apply_lora(model, model_cfg.lora)
         if not trainable:
             model.requires_grad_(False)
         return apply_fsdp2(model, self.mesh, fsdp_cfg.mp_param_dtype, fsdp_cfg.mp_reduce_dtype,
@@ -135,7 +139,7 @@ class FSDPWorker:
             # fused: one kernel per step instead of ~10 ops per parameter tensor, each a DTensor
             # dispatch under FSDP2 (the same AdamW update, up to float rounding)
             self.optimizer = torch.optim.AdamW(
-                self.module.parameters(),
+                [p for p in self.module.parameters() if p.requires_grad],
                 lr=optim.lr,
                 betas=tuple(optim.betas),
                 weight_decay=optim.weight_decay,
@@ -146,10 +150,19 @@ class FSDPWorker:
                 self.config.actor, self.module, self.optimizer, self.lr_scheduler
             )
         if self.role in ("ref", "actor_ref"):
-            self.ref = DataParallelPPOActor(
-                self._ref_actor_config(), self._load_sharded(trainable=False)
+            # a LoRA actor's reference is its own base model, the adapters switched off
+            ref_module = (
+                AdaptersOff(self.module)
+                if self.shares_ref_weights
+                else self._load_sharded(trainable=False)
             )
+            self.ref = DataParallelPPOActor(self._ref_actor_config(), ref_module)
         return self._init_offload()
+
+    @property
+    def shares_ref_weights(self) -> bool:
+        """Whether the reference runs on the actor's own weights (LoRA, both in this process)."""
+        return self.role == "actor_ref" and bool(self.config.actor.model.lora.rank)
 
     def _init_offload(self) -> list[str]:
         """An `Offloader` per model held, everything offloaded until its first stage (the vLLM
@@ -158,7 +171,7 @@ class FSDPWorker:
                 "ref": (self.ref, self.config.ref.offload, "worker.ref.offload")}  # fmt: skip
         self._offloaders, flags = {}, {}
         for part, (model, cfg, key) in held.items():
-            if model is None:
+            if model is None or (part == "ref" and self.shares_ref_weights):
                 continue
             flags |= {f"{key}.offload_params": cfg.offload_params,
                       f"{key}.offload_optimizer": cfg.offload_optimizer and part == "actor"}  # fmt: skip
@@ -176,6 +189,8 @@ class FSDPWorker:
         """A stage: the offloaded parameters/optimizer state of `parts` ('actor', 'ref') on the
         device inside the block; after it every FSDP group resharded and the offloaded parts back
         in host memory (nothing moves where nothing is offloaded, e.g. on CPU)."""
+        if self.shares_ref_weights:  # the reference's weights are the actor's
+            parts = tuple(dict.fromkeys("actor" if p == "ref" else p for p in parts))
         for part in parts:
             if part in self._offloaders:
                 self._offloaders[part].load()
@@ -266,19 +281,38 @@ class FSDPWorker:
             export_hf(self.module, path, self.tokenizer)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The unsharded weights (returned by rank 0, None elsewhere); a collective call."""
+        """The unsharded weights (returned by rank 0, None elsewhere); a collective call. With
+        LoRA, the PEFT model's own state dict (base weights and adapters)."""
         with self._resident("actor"):
             state = full_state_dict(self.module)
         return state if self.rank == 0 else None
 
     def weight_bucket_plan(self, bucket_mb: float) -> list[list[str]]:
-        """Parameter names grouped into weight-sync buckets of at most `bucket_mb` MiB each."""
-        return bucket_plan(self.module, int(bucket_mb * 2**20))
+        """Parameter names grouped into weight-sync buckets of at most `bucket_mb` MiB each. With
+        LoRA the modules holding adapted weights, under the base model's names: nothing else
+        ever changes (the engine loaded the same base model; `lora.sync_sources`)."""
+        if not is_lora(self.module):
+            return bucket_plan(self.module, int(bucket_mb * 2**20))
+        state = self.module.state_dict()
+        sizes = {name: state[parts[0]] for name, parts in sync_sources(state).items()}
+        return group_by_size(sizes, int(bucket_mb * 2**20))
 
     def weight_bucket(self, names: list[str]) -> SharedTensors | None:
         """One bucket of unsharded weights as shared arrays (returned by rank 0, None elsewhere,
-        read zero-copy by every replica); a collective call."""
-        bucket = full_tensors(self.module, names)
+        read zero-copy by every replica); a collective call. With LoRA, an adapted weight is sent
+        merged, W + s·B·A (verl/utils/lora.py)."""
+        if is_lora(self.module):
+            sources, scaling = sync_sources(self.module.state_dict()), scaling_of(self.module)
+            bucket = {}
+            for name in names:
+                parts = full_tensors(self.module, list(sources[name]))
+                bucket[name] = (
+                    merge(*parts.values(), scaling)
+                    if len(parts) == 3
+                    else next(iter(parts.values()))
+                )
+        else:
+            bucket = full_tensors(self.module, names)
         release_cuda_cache()  # the gathered bucket's GPU copies, before the engines take memory
         return to_shared(bucket) if self.rank == 0 else None
 

@@ -591,3 +591,43 @@ def test_partial_lists_are_exact_for_the_truncated_target_and_every_sequence_fin
         torch.testing.assert_close(b["rollout_log_probs"][i, :8].double(), p.gather(-1, toks).log().squeeze(-1),
                                    rtol=0, atol=1e-4)  # fmt: skip
     assert out.meta_info["target_tv"] == pytest.approx(torch.cat(tv).mean().item(), abs=1e-4)
+
+
+def test_lora_merged_weights_make_the_guided_rollouts_draft_the_peft_model(guided, models):
+    """A LoRA actor's sync (verl/utils/lora.py: the modules around the adapted weights, those
+    merged W + s·B·A, nothing else) into the guided rollout's draft engine: every emitted token's draft log-prob p
+    equals the HF+PEFT model's (1e-4), so μ, built from p and q, stays exact. The engine gets its
+    base weights back afterwards (the fixture is shared)."""
+    from transformers import AutoModelForCausalLM
+
+    from verl.utils import lora as L
+    from verl.workers.actor.config import LoraConfig
+
+    rollout, tok = guided
+    torch.manual_seed(0)
+    model = L.apply_lora(AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32),
+                         LoraConfig(rank=4, alpha=8, target_modules="q_proj,v_proj,down_proj"))  # fmt: skip
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    model.eval()
+    merged = L.merged_state(model.state_dict(), L.scaling_of(model))
+    adapted = list(L.sync_sources(model.state_dict()))
+    # per layer: the attention's 4 projections and 3 biases (q, v adapted), the MLP's 3 (down)
+    assert len(adapted) == 2 * (4 + 3 + 3)
+    try:
+        rollout.sync_weights((name, merged[name]) for name in adapted)
+        out = rollout.generate_sequences(prompt_batch(tok, ["12+7=", "3*4="], n=4, lam=0.5))
+        b = out.batch
+        assert out.meta_info["emitted_tokens"] == int(b["response_mask"].sum())
+        for i in range(8):
+            ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
+            n = int(b["response_mask"][i].sum())
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=ids).logits[0, -n - 1 : -1], -1)
+            expected = logp.gather(-1, ids[0, -n:].unsqueeze(-1)).squeeze(-1)
+            torch.testing.assert_close(b["rollout_log_probs"][i, :n], expected, rtol=0, atol=1e-4)
+    finally:
+        base = AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32).state_dict()
+        rollout.sync_weights((name, base[name]) for name in adapted)

@@ -12,6 +12,30 @@ ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the actor (PEFT; verl/utils/lora.py); EasyR1's `worker.actor.model.lora`."""
+
+    rank: int = 0
+    """Adapter rank r (0: off, every weight trained)."""
+    alpha: int = 16
+    """Scale numerator: an adapted layer adds (alpha / rank)·B·A to its frozen weight."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training (π_old is computed without it, so > 0 adds noise to the PPO ratio)."""
+    target_modules: str = "all-linear"
+    """Layers that get adapters: all-linear (every Linear but the LM head) or comma-separated module names (q_proj,v_proj)."""
+
+    def validate(self, prefix: str) -> None:
+        """Fail fast on bad values (the targets are checked against the model before Ray starts)."""
+        if not isinstance(self.rank, int) or self.rank < 0:
+            fail(f"{prefix}.rank", self.rank, "expected an integer >= 0 (0: LoRA off)")
+        if self.rank:
+            check_range(f"{prefix}.alpha", self.alpha, 0, low_open=True)
+            check_range(f"{prefix}.dropout", self.dropout, 0, 1)
+            if self.dropout == 1:
+                fail(f"{prefix}.dropout", self.dropout, "expected a value in [0, 1)")
+
+
+@dataclass
 class ModelConfig:
     """The Hugging Face causal LM the actor trains."""
 
@@ -25,6 +49,8 @@ class ModelConfig:
     """Attention kernel: auto (flash_attention_2 on GPU when installed, else sdpa), sdpa, eager, flash_attention_2."""
     enable_gradient_checkpointing: bool = True
     """Recompute activations in backward to save memory."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (rank 0: off)."""
 
     def validate(self, prefix: str) -> None:
         """Fail fast on bad values."""
@@ -33,6 +59,7 @@ class ModelConfig:
             self.attn_implementation,
             ATTN_IMPLEMENTATIONS,
         )
+        self.lora.validate(f"{prefix}.lora")
 
 
 @dataclass
