@@ -50,6 +50,8 @@ class Cell:
     drafts: tuple[str, ...] = ("weak", "base", "student")
     overlays: tuple[str, ...] = ()
     """configs/*.yaml merged after the base config, before the overrides."""
+    tune_lrs: tuple[float, ...] = ()
+    """The rates `--tune` tries for this cell (empty: the task's `TUNE_LRS`)."""
     varies: str = "spec_exact"
     """A diagnosis cell's learning rate is that of the cell it varies, times `lr_scale`."""
     lr_scale: float = 1.0
@@ -92,6 +94,10 @@ CELLS = (
     Cell("mix_at_grpo_lr", "diagnosis: mix at plain GRPO's lr", MIX, True, ("student",), varies="grpo"),
     Cell("mentor_at_grpo_lr", "diagnosis: MENTOR at plain GRPO's lr", (f"{G}guided_samples=4",), True,
          ("student",), overlays=("mentor",), varies="grpo"),
+    # LoRA (configs/lora.yaml: rank 32, alpha 64, every Linear but the head) against full
+    # fine-tuning; adapters want larger rates, so its own grid
+    Cell("grpo_lora", "plain GRPO, LoRA rank 32", (f"{G}enable=false",), drafts=("base",),
+         overlays=("lora",), tune_lrs=(2.5e-4, 5e-4, 1e-3)),
 )  # fmt: skip
 COMMON = ("data.rollout_batch_size=32", "worker.actor.global_batch_size=128")
 """Every run: 32 prompts x 8 responses a step, two updates of 128 (the demo's recipe at half the
@@ -420,17 +426,20 @@ def tune(draft: str, guidance: str, cells: list[Cell], steps: int, val_freq: int
     edge (the grid's own ratio, up to `TUNE_EXTEND` more), so no pick is an edge of the grid by
     construction. Writes tuning.json and tuning.md under `out`; returns the json."""
     result = {"seed": TUNE_SEED, "draft": label, "steps": steps, "lrs": list(lrs), "cells": {}}
-    ratio = lrs[-1] / lrs[-2] if len(lrs) > 1 else 3.0
+    if (out / "tuning.json").exists():  # the cells tuned before keep their picks
+        result["cells"] = json.loads((out / "tuning.json").read_text())["cells"]
     for cell in (c for c in cells if not c.diagnosis):
+        grid = cell.tune_lrs or lrs
+        ratio = grid[-1] / grid[-2] if len(grid) > 1 else 3.0
         scores: dict[float, float] = {}
-        todo = list(lrs)
+        todo = list(grid)
         while todo:
             for lr in todo:
                 scores[lr] = _tune_score(
                     cell, lr, draft, guidance, steps, val_freq, out, runs, extra
                 )
             pick = max(scores, key=lambda k: scores[k])
-            spent = len(scores) >= len(lrs) + TUNE_EXTEND
+            spent = len(scores) >= len(grid) + TUNE_EXTEND
             todo = [] if spent else _past_edge(pick, sorted(scores), ratio)
         result["cells"][cell.name] = {
             "label": cell.label,

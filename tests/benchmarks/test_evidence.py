@@ -197,6 +197,33 @@ def test_tune_picks_the_lr_with_the_best_mean_accuracy_after_step_0(tmp_path, mo
     )
 
 
+def test_tune_keeps_earlier_picks_and_uses_a_cells_own_grid(tmp_path, monkeypatch):
+    (tmp_path / "tuning.json").write_text(
+        json.dumps({"cells": {"grpo": {"label": "g", "scores": {}, "pick": 1e-4}}})
+    )
+    ran = []
+
+    def fake_run_once(args, run_dir, dest, steps):
+        lr = float(next(a for a in args if a.startswith("worker.actor.optim.lr=")).split("=")[1])
+        ran.append(lr)
+        # accuracy at step 2 peaks at 5e-4, the grid's middle: no extension
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(
+            "\n".join(json.dumps(r) for r in log({0: 0.3, 2: 0.9 - abs(lr - 5e-4) * 100}, 1.0))
+            + "\n"
+        )
+        return True
+
+    monkeypatch.setattr(E, "run_once", fake_run_once)
+    lora = next(c for c in E.CELLS if c.name == "grpo_lora")
+    assert lora.tune_lrs == (2.5e-4, 5e-4, 1e-3) and lora.overlays == ("lora",)
+    result = E.tune("/d", "/g", [lora], 2, 2, tmp_path, tmp_path / "runs", (5e-5, 1e-4, 2e-4))
+    assert ran == [2.5e-4, 5e-4, 1e-3]  # its own grid, not the task's
+    assert result["cells"]["grpo_lora"]["pick"] == 5e-4 and result["cells"]["grpo"]["pick"] == 1e-4
+    args = E.run_args(lora, "/d", "/g", 0, 2, 2, tmp_path / "r")
+    assert any(a.endswith("configs/lora.yaml") for a in args)
+
+
 def test_committed_tuning_matches_the_picks_the_runs_use():
     out = E.RESULTS / "evidence_arithmetic"
     tuning = json.loads((out / "tuning.json").read_text())

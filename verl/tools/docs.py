@@ -27,7 +27,7 @@ from verl.trainer.core_algos.advantage import GUIDED_ADVANTAGES
 from verl.trainer.core_algos.guidance import LAM_GATES
 from verl.trainer.core_algos.policy_loss import PolicyLossConfig
 from verl.utils.metric_reference import SECTIONS, in_section
-from verl.workers.actor.config import ActorConfig
+from verl.workers.actor.config import ActorConfig, LoraConfig
 from verl.workers.rollout.config import OffPolicyGuidanceConfig
 from verl.workers.rollout.multi_turn.config import MultiTurnConfig
 
@@ -164,6 +164,7 @@ BLOCKS = {
     ),
     "algorithms": algorithm_table,
     "knobs-multi-turn": lambda: knob_table(MultiTurnConfig, "worker.rollout.multi_turn"),
+    "knobs-lora": lambda: knob_table(LoraConfig, "worker.actor.model.lora"),
     "metrics": metric_reference,
 }
 """Generated block name -> its Markdown."""

@@ -88,6 +88,7 @@ class FSDPWorker:
         ):  # Ray starts actors with OMP_NUM_THREADS=1: the ranks share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         self.mesh = None
+        self._sources: dict[str, tuple[str, ...]] | None = None  # LoRA's sync plan, made once
         self.module = self.optimizer = self.lr_scheduler = self.actor = self.ref = (
             self.tokenizer
         ) = None
@@ -294,23 +295,26 @@ class FSDPWorker:
         if not is_lora(self.module):
             return bucket_plan(self.module, int(bucket_mb * 2**20))
         state = self.module.state_dict()
-        sizes = {name: state[parts[0]] for name, parts in sync_sources(state).items()}
+        sizes = {name: state[parts[0]] for name, parts in self._sync_sources().items()}
         return group_by_size(sizes, int(bucket_mb * 2**20))
+
+    def _sync_sources(self) -> dict[str, tuple[str, ...]]:
+        """`lora.sync_sources` of the actor (its names never change within a run: made once)."""
+        if self._sources is None:
+            self._sources = sync_sources(self.module.state_dict())
+        return self._sources
 
     def weight_bucket(self, names: list[str]) -> SharedTensors | None:
         """One bucket of unsharded weights as shared arrays (returned by rank 0, None elsewhere,
         read zero-copy by every replica); a collective call. With LoRA, an adapted weight is sent
         merged, W + s·B·A (verl/utils/lora.py)."""
         if is_lora(self.module):
-            sources, scaling = sync_sources(self.module.state_dict()), scaling_of(self.module)
+            sources, scaling = self._sync_sources(), scaling_of(self.module)
+            parts = full_tensors(self.module, [s for name in names for s in sources[name]])
             bucket = {}
             for name in names:
-                parts = full_tensors(self.module, list(sources[name]))
-                bucket[name] = (
-                    merge(*parts.values(), scaling)
-                    if len(parts) == 3
-                    else next(iter(parts.values()))
-                )
+                got = [parts[s] for s in sources[name]]
+                bucket[name] = merge(*got, scaling) if len(got) == 3 else got[0]
         else:
             bucket = full_tensors(self.module, names)
         release_cuda_cache()  # the gathered bucket's GPU copies, before the engines take memory
