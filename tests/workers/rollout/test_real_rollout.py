@@ -22,7 +22,13 @@ from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR, compute_guidance_me
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_vllm_rollout import chi2_pvalue, prompt_batch, rollout_config, vllm_processed_probs
+from test_vllm_rollout import (
+    chi2_pvalue,
+    lora_model,
+    prompt_batch,
+    rollout_config,
+    vllm_processed_probs,
+)
 
 pytestmark = pytest.mark.vllm
 LAM = 0.5
@@ -255,22 +261,16 @@ def test_real_entropy_gate_and_guided_subset_are_exact(real_pair, real):
 def test_real_lora_sync_keeps_the_guided_rollout_exact(real_pair, real):
     """The real draft with rank-8 LoRA adapters on q_proj and v_proj (B drawn, so they act):
     the actor's sync (verl/utils/lora.py: the 26 attention blocks, q and v merged; 104 of the
-    draft's 236 tensors, 19 % of its 120.4 M weights) into the guided rollout's draft engine makes every token's p, μ and q
-    equal the HF+PEFT draft's and the guidance's (1e-4), as `check_exact` asks of the plain pair."""
-    from transformers import AutoModelForCausalLM
-
+    draft's 236 tensors, 19 % of its 120.4 M weights) into the guided rollout's draft engine
+    makes every token's p, μ and q equal the HF+PEFT draft's and the guidance's (1e-4), as
+    `check_exact` asks of the plain pair."""
     from verl.utils import lora as L
     from verl.workers.actor.config import LoraConfig
 
     tok, _, guide_hf = real
-    torch.manual_seed(0)
-    draft = L.apply_lora(AutoModelForCausalLM.from_pretrained(real_pair.draft, dtype=torch.float32),
-                         LoraConfig(rank=8, alpha=16, target_modules="q_proj,v_proj"))  # fmt: skip
-    with torch.no_grad():
-        for name, param in draft.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.02)
-    draft.eval()
+    draft = lora_model(
+        str(real_pair.draft), LoraConfig(rank=8, alpha=16, target_modules="q_proj,v_proj"), 0.02
+    )
     state = draft.state_dict()
     sources = L.sync_sources(state)
     assert len(sources) == 26 * 4  # q, k, v, o of each of the 26 layers (no biases in Llama)

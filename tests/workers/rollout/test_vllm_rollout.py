@@ -593,25 +593,35 @@ def test_partial_lists_are_exact_for_the_truncated_target_and_every_sequence_fin
     assert out.meta_info["target_tv"] == pytest.approx(torch.cat(tv).mean().item(), abs=1e-4)
 
 
+def lora_model(path: str, lora, b_std: float):
+    """HF+PEFT on `path` with B drawn from N(0, b_std²) (seed 0), so the adapters act; eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from verl.utils.lora import apply_lora
+
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lora)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, b_std)
+    return model.eval()
+
+
 def test_lora_merged_weights_make_the_guided_rollouts_draft_the_peft_model(guided, models):
     """A LoRA actor's sync (verl/utils/lora.py: the modules around the adapted weights, those
-    merged W + s·B·A, nothing else) into the guided rollout's draft engine: every emitted token's draft log-prob p
-    equals the HF+PEFT model's (1e-4), so μ, built from p and q, stays exact. The engine gets its
-    base weights back afterwards (the fixture is shared)."""
+    merged W + s·B·A, nothing else) into the guided rollout's draft engine: every emitted
+    token's draft log-prob p equals the HF+PEFT model's (1e-4), so μ, built from p and q, stays
+    exact. The engine gets its base weights back afterwards (the fixture is shared)."""
     from transformers import AutoModelForCausalLM
 
     from verl.utils import lora as L
     from verl.workers.actor.config import LoraConfig
 
     rollout, tok = guided
-    torch.manual_seed(0)
-    model = L.apply_lora(AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32),
-                         LoraConfig(rank=4, alpha=8, target_modules="q_proj,v_proj,down_proj"))  # fmt: skip
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.5)
-    model.eval()
+    model = lora_model(
+        models[0], LoraConfig(rank=4, alpha=8, target_modules="q_proj,v_proj,down_proj"), 0.5
+    )
     merged = L.merged_state(model.state_dict(), L.scaling_of(model))
     adapted = list(L.sync_sources(model.state_dict()))
     # per layer: the attention's 4 projections and 3 biases (q, v adapted), the MLP's 3 (down)
