@@ -122,7 +122,7 @@ picked the upper edge of (1e-4, 3e-4))."""
 def lr_of(cell: Cell, picks: dict[str, float]) -> float:
     """The cell's tuned learning rate (`picks`: cell -> lr, from tuning.json); a diagnosis cell
     takes the rate of the cell it varies, times its `lr_scale`."""
-    return picks.get(cell.name, picks[cell.varies]) * cell.lr_scale
+    return (picks[cell.name] if cell.name in picks else picks[cell.varies]) * cell.lr_scale
 
 
 def load_picks(out: Path) -> dict[str, float] | None:

@@ -220,6 +220,7 @@ def test_tune_keeps_earlier_picks_and_uses_a_cells_own_grid(tmp_path, monkeypatc
     result = E.tune("/d", "/g", [lora], 2, 2, tmp_path, tmp_path / "runs", (5e-5, 1e-4, 2e-4))
     assert ran == [2.5e-4, 5e-4, 1e-3]  # its own grid, not the task's
     assert result["cells"]["grpo_lora"]["pick"] == 5e-4 and result["cells"]["grpo"]["pick"] == 1e-4
+    assert E.lr_of(lora, {"grpo_lora": 5e-4}) == 5e-4  # picks without the cell it would vary
     args = E.run_args(lora, "/d", "/g", 0, 2, 2, tmp_path / "r")
     assert any(a.endswith("configs/lora.yaml") for a in args)
 

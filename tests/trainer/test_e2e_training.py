@@ -143,8 +143,12 @@ RUNS = [
     ("guidance_off", {"worker": {"rollout": {"offpolicy_guidance": {"enable": False}}},
                       "data": {"val_files": "embedded://arithmetic@test"},
                       "trainer": {"val_generations_to_log": 3}}, []),
-    ("mix", {"worker": {"rollout": {"offpolicy_guidance": {"mode": "mix", "mix_num_samples": 1}}}},
-     [k for k in GUIDED_KEYS if k != "guidance/behavior_kl"] + ["guidance/missing_logprob_ratio"]),
+    # mix mode, and (orthogonal) LoRA (configs/lora.yaml) with the KL loss on: the reference is
+    # the base model, adapters off
+    ("mix+lora", overlay("lora", worker={"actor": {"model": {"lora": {"rank": 8}}, "optim": {"lr": 1e-2}},
+                                         "rollout": {"offpolicy_guidance": {"mode": "mix", "mix_num_samples": 1}}},
+                         algorithm={"disable_kl": False, "use_kl_loss": True, "kl_coef": 0.1}),
+     [k for k in GUIDED_KEYS if k != "guidance/behavior_kl"] + ["guidance/missing_logprob_ratio", "actor/kl_loss"]),
     # two draft replicas sharing one guidance service, distilling in reward mode
     ("two_replicas+distill_reward",
      {"worker": {"rollout": {"num_replicas": 2, "offpolicy_guidance": {"num_replicas": 1}}},
@@ -156,10 +160,6 @@ RUNS = [
                                             "distill": {"coef": 1.0, "mode": "loss", "topk_forward": True}},
                               "worker": {"rollout": {"offpolicy_guidance": {"lam": 0.0}}}},
      [*DISTILL_KEYS[:3], "actor/distill_loss"]),
-    # LoRA (configs/lora.yaml) with the KL loss on: the reference is the base, adapters off
-    ("lora", overlay("lora", worker={"actor": {"model": {"lora": {"rank": 8}}, "optim": {"lr": 1e-2}}},
-                     algorithm={"disable_kl": False, "use_kl_loss": True, "kl_coef": 0.1}),
-     ["actor/kl_loss"]),
     ("mentor", overlay("mentor", worker={"rollout": {"offpolicy_guidance": {"guided_samples": 2}}},
                        algorithm={"guided_advantage_decay_steps": 3}), MENTOR_KEYS),
     ("mentor_exact", overlay("mentor_exact", worker={"rollout": {"offpolicy_guidance": {"guided_samples": 2}}},
@@ -202,9 +202,11 @@ def test_two_step_run_trains_and_logs_finite_metrics(
         )
     if name.startswith("mentor"):
         check_mentor(name, steps)
-    if name == "lora":
+    if name.endswith("lora"):
         check_lora(assets, run_dir, steps)
-    if name == "mix":  # one of the n=4 samples per prompt is the guidance's: 1/4 of the tokens
+    if name.startswith(
+        "mix"
+    ):  # one of the n=4 samples per prompt is the guidance's: 1/4 of the tokens
         assert all(r["guidance/offpolicy_seq_ratio"] == pytest.approx(0.25) for r in steps)
         # the guidance never scores the draft's responses: their tokens are missing, not p; the
         # draft never scores the guidance's, so there is no behavior KL against p
