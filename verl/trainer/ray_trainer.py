@@ -176,7 +176,8 @@ class RayPPOTrainer:
         if self._bucket_plan is None:  # names and shapes never change within a run
             mb = self.config.worker.rollout.weight_sync_bucket_mb
             self._bucket_plan = self.actor_wg.execute_all("weight_bucket_plan", mb)[0]
-        self.rollout.sync_weights(self._bucket_plan, self._weight_bucket)
+        lora = bool(self.config.worker.actor.model.lora.rank)  # only the adapted modules travel
+        self.rollout.sync_weights(self._bucket_plan, self._weight_bucket, partial=lora)
 
     def _weight_bucket(self, names: list[str]) -> ray.ObjectRef:
         """One bucket made by the actor ranks (a collective): rank 0's result, never read here."""

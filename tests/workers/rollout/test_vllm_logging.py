@@ -23,3 +23,21 @@ def test_only_the_listed_records_are_dropped():
     assert logging.getLogger("vllm.other").filter(
         _record("vllm.other", "Chat template warmup failed")
     )
+
+
+def test_a_partial_reload_drops_the_kept_layers_lines_inside_the_block_only():
+    from verl.workers.rollout.vllm_logging import PARTIAL_RELOAD, quiet_partial_reload
+
+    layerwise = "vllm.model_executor.model_loader.reload.layerwise"
+    inplace = "vllm.model_executor.model_loader.reload.inplace"
+    assert {name for name, _ in PARTIAL_RELOAD} == {layerwise, inplace}
+    kept = _record(layerwise, "RMSNorm: Failed to load weights")
+    missing = _record(
+        inplace, "Following weights were not loaded from checkpoint: {'model.norm.weight'}"
+    )
+    with quiet_partial_reload():
+        assert not logging.getLogger(layerwise).filter(kept)
+        assert not logging.getLogger(inplace).filter(missing)
+        assert logging.getLogger(inplace).filter(_record(inplace, "Reloading weights inplace..."))
+    # a whole-model sync that misses a weight is still reported
+    assert logging.getLogger(layerwise).filter(kept) and logging.getLogger(inplace).filter(missing)

@@ -146,13 +146,15 @@ class EngineLifecycle:
             self.engines.guidance.shutdown()
 
     def sync_weights(
-        self, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+        self,
+        weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        partial: bool = False,
     ) -> None:
         """Load new actor weights into the draft engine (the in-process weight sync of
         docs/design.md#one-training-step), from a state dict or a stream of (name, tensor) pairs
         consumed once, in order (`vllm_engine.reload_weights`)."""
         self.wake_up(("weights",))
-        reload_weights(self.engines.draft, weights)
+        reload_weights(self.engines.draft, weights, partial)
 
     @contextmanager
     def cores_to(self, engine: str):

@@ -24,12 +24,13 @@ import fcntl
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from verl_patches import vllm_session_rewind
 
 from verl.utils.config_checks import fail
+from verl.workers.rollout.vllm_logging import quiet_partial_reload
 
 ENGINE_KEY = "verl_engine"
 """A private entry of an engine's keyword arguments that `build_llm` takes out before vLLM sees
@@ -148,15 +149,20 @@ def build_llm(kwargs: dict):
 
 
 def reload_weights(
-    llm, weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    llm,
+    weights: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    partial: bool = False,
 ) -> None:
     """Load new weights into an in-process engine's live model, in place: a state dict or a
     stream of (name, tensor) pairs consumed once, in order (vLLM's model runner `reload_weights`,
-    tensor_parallel_size=1), then drop the prefix cache computed with the old weights."""
+    tensor_parallel_size=1), then drop the prefix cache computed with the old weights. `partial`:
+    some layers are not sent (a LoRA sync); vLLM keeps them and its lines saying so are dropped.
+    A layer must be sent whole (verl/utils/lora.py, `sync_sources`)."""
     runner = vllm_session_rewind.live_runner(llm)
-    runner.reload_weights(
-        weights_iterator=iter(weights.items() if isinstance(weights, dict) else weights)
-    )
+    with quiet_partial_reload() if partial else nullcontext():
+        runner.reload_weights(
+            weights_iterator=iter(weights.items() if isinstance(weights, dict) else weights)
+        )
     llm.reset_prefix_cache()
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 # (vLLM logger, message fragment) -> why the record is harmless here
 HARMLESS = {
@@ -25,6 +27,28 @@ class _DropFragment(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return self.fragment not in record.getMessage()
+
+
+PARTIAL_RELOAD = {
+    ("vllm.model_executor.model_loader.reload.layerwise", "Failed to load weights"),
+    ("vllm.model_executor.model_loader.reload.inplace", "were not loaded from checkpoint"),
+}
+"""What vLLM logs for the layers a partial weight sync leaves as they are (LoRA's: the frozen
+ones), dropped during such a sync only (`quiet_partial_reload`)."""
+
+
+@contextmanager
+def quiet_partial_reload() -> Iterator[None]:
+    """Inside the block, vLLM's records of layers a reload left untouched are dropped."""
+    installed = []
+    for logger_name, fragment in PARTIAL_RELOAD:
+        installed.append((logging.getLogger(logger_name), _DropFragment(fragment)))
+        installed[-1][0].addFilter(installed[-1][1])
+    try:
+        yield
+    finally:
+        for logger, dropper in installed:
+            logger.removeFilter(dropper)
 
 
 def drop_harmless_vllm_records() -> None:

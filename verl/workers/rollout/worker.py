@@ -58,10 +58,13 @@ class RolloutWorker:
         """Load a whole state dict into the draft engine (tests, tools)."""
         self.rollout.sync_weights(state_dict)
 
-    def sync_weights_streamed(self, queue, num_buckets: int) -> dict[str, int]:
+    def sync_weights_streamed(
+        self, queue, num_buckets: int, partial: bool = False
+    ) -> dict[str, int]:
         """Load the actor's weights bucket by bucket as the trainer puts them on `queue` (each an
         object ref, mapped here from the object store and dropped before the next): one reload of
-        the draft engine that copies nothing but into its own weights. Returns this process's peak extra private memory (bytes)."""
+        the draft engine that copies nothing but into its own weights (`partial`: a LoRA sync,
+        some layers not sent). Returns this process's peak extra private memory (bytes)."""
 
         def stream():
             for _ in range(num_buckets):
@@ -70,7 +73,7 @@ class RolloutWorker:
                 del ref
 
         with PeakMemory() as peak:
-            self.rollout.sync_weights(stream())
+            self.rollout.sync_weights(stream(), partial)
         return {"peak_extra_bytes": peak.extra}
 
     def shutdown(self) -> None:
@@ -271,14 +274,17 @@ class RolloutGroup:
         return merged
 
     def sync_weights(
-        self, plan: list[list[str]], produce: Callable[[list[str]], ray.ObjectRef]
+        self,
+        plan: list[list[str]],
+        produce: Callable[[list[str]], ray.ObjectRef],
+        partial: bool = False,
     ) -> list[int]:
         """Stream new weights into every replica: `produce(names)` makes one bucket (an object
         ref, put once by its maker), every replica reads it from its queue, and at most
         `QUEUE_DEPTH` buckets wait per replica, so neither this process (which never reads a
         bucket) nor a replica ever holds the whole model. Returns each replica's peak extra bytes."""
         done = [
-            r.sync_weights_streamed.remote(q, len(plan))
+            r.sync_weights_streamed.remote(q, len(plan), partial)
             for r, q in zip(self.replicas, self.queues, strict=True)
         ]
         for names in plan:
