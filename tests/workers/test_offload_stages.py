@@ -92,6 +92,19 @@ def test_each_stage_loads_what_it_computes_with_and_offloads_it_after(monkeypatc
     }
 
 
+def test_a_lora_reference_loads_the_actors_weights(monkeypatch):
+    """LoRA in `actor_ref`: the reference is the actor's module with the adapters off, so its
+    stage loads and offloads the actor's parts (it has no offloader of its own)."""
+    events: list[str] = []
+    worker = _worker(monkeypatch, events)
+    worker._ref_is_actor = True
+    del worker._offloaders["ref"]
+    worker.compute_ref_log_prob(
+        DataProto.from_dict({"input_ids": torch.zeros(2, 5, dtype=torch.long)})
+    )
+    assert events == ["actor.load", "ref.compute_log_prob", "actor.offload"]
+
+
 def test_a_failing_stage_leaves_its_part_resident(monkeypatch):
     """An error inside a stage skips the offload: the offloader's record (resident) stays true."""
     events: list[str] = []

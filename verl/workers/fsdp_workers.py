@@ -77,6 +77,8 @@ class FSDPWorker:
     initial policy) or 'actor_ref' (both in one process, the colocated layout)."""
 
     _offloaders: dict[str, Offloader] = {}  # noqa: RUF012 (never mutated: init_model assigns its own)
+    _ref_is_actor = False
+    """Whether the reference runs on the actor's own module, adapters off (LoRA, `actor_ref`)."""
 
     def __init__(self, config: WorkerConfig, role: str, rank: int, world_size: int) -> None:
         redirect_worker_output(f"{role}{rank}")
@@ -152,18 +154,16 @@ class FSDPWorker:
             )
         if self.role in ("ref", "actor_ref"):
             # a LoRA actor's reference is its own base model, the adapters switched off
+            self._ref_is_actor = self.role == "actor_ref" and bool(
+                self.config.actor.model.lora.rank
+            )
             ref_module = (
                 AdaptersOff(self.module)
-                if self.shares_ref_weights
+                if self._ref_is_actor
                 else self._load_sharded(trainable=False)
             )
             self.ref = DataParallelPPOActor(self._ref_actor_config(), ref_module)
         return self._init_offload()
-
-    @property
-    def shares_ref_weights(self) -> bool:
-        """Whether the reference runs on the actor's own weights (LoRA, both in this process)."""
-        return self.role == "actor_ref" and bool(self.config.actor.model.lora.rank)
 
     def _init_offload(self) -> list[str]:
         """An `Offloader` per model held, everything offloaded until its first stage (the vLLM
@@ -172,7 +172,7 @@ class FSDPWorker:
                 "ref": (self.ref, self.config.ref.offload, "worker.ref.offload")}  # fmt: skip
         self._offloaders, flags = {}, {}
         for part, (model, cfg, key) in held.items():
-            if model is None or (part == "ref" and self.shares_ref_weights):
+            if model is None or (part == "ref" and self._ref_is_actor):
                 continue
             flags |= {f"{key}.offload_params": cfg.offload_params,
                       f"{key}.offload_optimizer": cfg.offload_optimizer and part == "actor"}  # fmt: skip
@@ -190,7 +190,7 @@ class FSDPWorker:
         """A stage: the offloaded parameters/optimizer state of `parts` ('actor', 'ref') on the
         device inside the block; after it every FSDP group resharded and the offloaded parts back
         in host memory (nothing moves where nothing is offloaded, e.g. on CPU)."""
-        if self.shares_ref_weights:  # the reference's weights are the actor's
+        if self._ref_is_actor:  # the reference's weights are the actor's
             parts = tuple(dict.fromkeys("actor" if p == "ref" else p for p in parts))
         for part in parts:
             if part in self._offloaders:
