@@ -15,6 +15,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from verl.utils.lora import is_lora
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -153,7 +155,7 @@ def apply_fsdp2(
             param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype]
         )
     kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp is not None else {})
-    base = model.get_base_model() if hasattr(model, "peft_config") else model  # LoRA: PEFT's wrap
+    base = model.get_base_model() if is_lora(model) else model  # LoRA: PEFT's wrap
     layers = getattr(getattr(base, "model", None), "layers", None)
     for layer in layers if layers is not None else []:
         fully_shard(layer, reshard_after_forward=full_shard, **kwargs)
