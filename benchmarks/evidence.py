@@ -47,7 +47,7 @@ class Cell:
     label: str
     overrides: tuple[str, ...]
     diagnosis: bool = False
-    drafts: tuple[str, ...] = ("weak", "base", "student")
+    drafts: tuple[str, ...] = ("weak", "base", "student", "hard")
     overlays: tuple[str, ...] = ()
     """configs/*.yaml merged after the base config, before the overrides."""
     tune_lrs: tuple[float, ...] = ()
@@ -94,6 +94,16 @@ CELLS = (
     Cell("mix_at_grpo_lr", "diagnosis: mix at plain GRPO's lr", MIX, True, ("student",), varies="grpo"),
     Cell("mentor_at_grpo_lr", "diagnosis: MENTOR at plain GRPO's lr", (f"{G}guided_samples=4",), True,
          ("student",), overlays=("mentor",), varies="grpo"),
+    # The hard regime (runsum's 3 % student, most groups of 8 all fail): guidance only where the
+    # draft found nothing (configs/guide_failing.yaml), or as a teacher prefix there (BREAD-like,
+    # configs/teacher_prefix.yaml: the guidance writes the first half, shortened to 0 over the
+    # run, the draft the rest at λ = 0)
+    Cell("fails_exact", "group_fails, speculative exact μ, λ 0.5 on 4 of 8", (), drafts=("hard",),
+         overlays=("guide_failing",)),
+    Cell("fails_prefix", "group_fails, teacher prefix 0.5→0 of T, λ 0 after, on 4 of 8", (),
+         drafts=("hard",), overlays=("guide_failing", "teacher_prefix")),
+    Cell("grpo_at_mix_lr_hard", "diagnosis: plain GRPO at mix's lr", (f"{G}enable=false",), True,
+         ("hard",), varies="mix"),
     # LoRA (configs/lora.yaml: rank 32, alpha 64, every Linear but the head) against full
     # fine-tuning; adapters want larger rates, so its own grid
     Cell("grpo_lora", "plain GRPO, LoRA rank 32", (f"{G}enable=false",), drafts=("base",),
@@ -112,6 +122,7 @@ TUNE_SEED = 99
 TUNE_LRS = {
     "arithmetic": (5e-5, 1e-4, 2e-4),
     "runsum": (1e-4, 3e-4, 1e-3),
+    "runsum_hard": (1e-4, 3e-4, 1e-3),
     "toolchain": (1e-4, 3e-4, 1e-3),
 }
 """Task -> the learning rates `tune` tries per cell (arithmetic: 5e-4 and up drove a draft to 0
@@ -134,9 +145,12 @@ def load_picks(out: Path) -> dict[str, float] | None:
 
 
 TASK_DRAFTS = {"arithmetic": {"weak": "weak", "base": "draft"}, "runsum": {"student": "draft"},
-               "toolchain": {"student": "draft"}}  # fmt: skip
+               "runsum_hard": {"hard": "hard"}, "toolchain": {"student": "draft"}}  # fmt: skip
 """Task -> draft label -> the snapshot of the task's embedded pair it is (chosen by held-out
 accuracy targets, `verl.utils.embedded.TASKS`)."""
+EMBEDDED = {"runsum_hard": "runsum"}
+"""Evidence task -> the embedded task whose models and data it uses (default: its own name):
+`runsum_hard` is runsum from its 3 % student, where most groups of 8 all fail."""
 TASK_SET = {
     "arithmetic": (),
     "runsum": ("data.train_files=embedded://runsum@train", "data.val_files=embedded://runsum@test",
@@ -144,6 +158,7 @@ TASK_SET = {
                "worker.rollout.val_override_config.temperature=1.0", "worker.rollout.val_override_config.n=4"),
     "toolchain": (f"config={ROOT / 'examples' / 'toolchain_guided.yaml'}",),
 }  # fmt: skip
+TASK_SET["runsum_hard"] = TASK_SET["runsum"]
 """Task -> the keys every run of it adds (data, lengths, validation; the base config is
 arithmetic's). runsum validates as its models were chosen: sampling at T = 1 (4 per prompt);
 toolchain takes its whole recipe (multi-turn, its tool, lengths, the same validation) from
@@ -167,18 +182,22 @@ TASK_CELLS = {
         "mentor_at_grpo_lr",
     ),
     "toolchain": ("grpo", "spec_exact", "distill", "spec_distill"),
+    "runsum_hard": ("grpo", "spec_exact", "fails_exact", "fails_prefix", "mix", "distill", "mentor"),
 }
 """Task -> the cells `make evidence` runs on it (`--cells` picks others)."""
-TUNE_DRAFT = {"arithmetic": "base", "runsum": "student", "toolchain": "student"}
+TUNE_DRAFT = {"arithmetic": "base", "runsum": "student", "runsum_hard": "hard", "toolchain": "student"}
 """Task -> the draft learning rates are tuned from."""
 MEASURE = {"arithmetic": "greedy", "runsum": "sampled at T = 1, 4 per prompt",
+           "runsum_hard": "sampled at T = 1, 4 per prompt",
            "toolchain": "whole episodes sampled at T = 1, 4 per prompt"}  # fmt: skip
 """Task -> how its validation measures accuracy."""
 DIAGNOSTICS = ("guidance/offpolicy_token_ratio", "guidance/guided_grad_share",
                "guidance/guided_is_weight_mean", "guidance/guided_is_clip_frac",
                "guidance/guided_score_gap", "guidance/guided_seq_score",
                "guidance/unguided_seq_score", "guidance/subset_guided_score",
-               "guidance/subset_unguided_score", "guidance/lambda_mean")  # fmt: skip
+               "guidance/subset_unguided_score", "guidance/lambda_mean",
+               "critic/score/group_any_success", "guidance/first_stage_any_success",
+               "guidance/guided_prompt_frac")  # fmt: skip
 
 
 def run_args(cell: Cell, draft: str, guidance: str, seed: int, steps: int, val_freq: int,
@@ -313,7 +332,27 @@ def markdown(table: list[dict], steps: int, task: str = "arithmetic") -> str:
                  _pct(d["guidance/guided_is_clip_frac"]), _num(d["guidance/lambda_mean"], ".3f"),
                  _num(gap, "+.3f"), " / ".join(_num(x, ".3f") for x in subsets)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _success_lines(table)) + "\n"
+
+
+def _success_lines(table: list[dict]) -> list[str]:
+    """The groups GRPO can learn from: the share of prompts whose trained group holds a success,
+    and for `guide_when: group_fails` cells the share before guidance and the prompts guided
+    (means over steps and seeds; rows of runs that logged them)."""
+    rows = [r for r in table if r["diagnostics"].get("critic/score/group_any_success") is not None]
+    if not rows:
+        return []
+    lines = ["", "Groups with a success (a response scoring at least 0.5; means over steps and seeds, %): "
+             "trained (after any guidance), before guidance (group_fails' draft-only first stage), "
+             "and the prompts guided.", "",
+             "| draft | cell | groups with a success | before guidance | prompts guided |",
+             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in rows:
+        d = r["diagnostics"]
+        cells = [r["draft"], r["label"], _pct(d["critic/score/group_any_success"]),
+                 _pct(d.get("guidance/first_stage_any_success")), _pct(d.get("guidance/guided_prompt_frac"))]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(table: list[dict], out: Path, task: str) -> list[Path]:
@@ -499,7 +538,7 @@ def build_models(task: str, drafts: list[str]) -> tuple[dict[str, str], str, dic
     (built once, `verl.utils.embedded.build_embedded`)."""
     from verl.utils.embedded import build_embedded
 
-    pair = build_embedded(task=task)
+    pair = build_embedded(task=EMBEDDED.get(task, task))
     names = TASK_DRAFTS[task]
     accuracy = {d: pair[f"{names[d]}_accuracy"] for d in drafts}
     accuracy["guidance"] = pair["guidance_accuracy"]

@@ -264,6 +264,23 @@ class DataProto:
         non_tensors = {k: v[idx] for k, v in self.non_tensor_batch.items()}
         return DataProto(batch=batch, non_tensor_batch=non_tensors, meta_info=dict(self.meta_info))
 
+    def replace_rows(self, index: IndexLike, other: DataProto) -> None:
+        """Overwrite the rows at `index` with `other`'s rows, in order, in place; both must hold
+        the same tensor and non-tensor keys (meta_info is left as it is)."""
+        idx = _indices(index, len(self))
+        if len(idx) != len(other):
+            raise ValueError(f"replace_rows: {len(idx)} rows to replace, {len(other)} given")
+        mine = sorted(self.batch.keys()) if self.batch is not None else []
+        theirs = sorted(other.batch.keys()) if other.batch is not None else []
+        if mine != theirs or sorted(self.non_tensor_batch) != sorted(other.non_tensor_batch):
+            raise KeyError(f"replace_rows: keys differ, {mine} vs {theirs} "
+                           f"(non-tensor {sorted(self.non_tensor_batch)} vs {sorted(other.non_tensor_batch)})")  # fmt: skip
+        rows = torch.as_tensor(idx, dtype=torch.long)
+        for key in mine:
+            self.batch[key][rows] = other.batch[key].to(self.batch[key].dtype)
+        for key, values in other.non_tensor_batch.items():
+            self.non_tensor_batch[key][idx] = values
+
     def reorder(self, indices: IndexLike) -> None:
         """Permute the rows in place."""
         selected = self.index_select(indices)

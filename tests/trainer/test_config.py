@@ -449,7 +449,19 @@ ERROR_CASES = [
         ["worker.rollout.weight_sync_bucket_mb=0"],
     ),
     ("no_equals", ["worker.rollout.n"], ["'worker.rollout.n'", "key=value"]),
-]
+    ("bad_guide_when", [f"{GUIDANCE}.guide_when=sometimes"],
+     [f"{GUIDANCE}.guide_when", "sometimes", "always", "group_fails"]),
+    ("prefix_in_mix_mode", [f"{GUIDANCE}.mode=mix", f"{GUIDANCE}.prefix_fraction=0.3"],
+     [f"{GUIDANCE}.prefix_fraction=0.3", "mode=speculative only"]),
+    ("prefix_above_one", [f"{GUIDANCE}.prefix_fraction=1.5"], [f"{GUIDANCE}.prefix_fraction", "1.5"]),
+    ("bad_prefix_draw", [f"{GUIDANCE}.prefix_draw=poisson"], [f"{GUIDANCE}.prefix_draw", "fixed", "uniform"]),
+    ("group_fails_without_guided", [f"{GUIDANCE}.guide_when=group_fails", f"{GUIDANCE}.guided_samples=0"],
+     [f"{GUIDANCE}.guided_samples", "expected >= 1"]),
+    ("group_fails_multi_turn", [f"{GUIDANCE}.enable=true", f"{GUIDANCE}.model_path=/g",
+                                "worker.rollout.multi_turn.enable=true", "worker.rollout.multi_turn.tools=[lookup]",
+                                f"{GUIDANCE}.guide_when=group_fails"],
+     [f"{GUIDANCE}.guide_when", "one stage"]),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(

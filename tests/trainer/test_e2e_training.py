@@ -120,6 +120,9 @@ def overlay(name: str, **extra) -> dict:
     return OmegaConf.to_container(OmegaConf.merge(loaded, OmegaConf.create(extra)))
 
 
+SELECTIVE_KEYS = ["guidance/guided_prompt_frac", "guidance/first_stage_score", "critic/score/group_any_success",
+                  "guidance/first_stage_any_success", "guidance/guided_prompts_first_score",
+                  "guidance/subset_guided_score", "guidance/subset_unguided_score", "guidance/prefix_fraction"]  # fmt: skip
 GUIDED_KEYS = ["guidance/offpolicy_token_ratio", "guidance/is_weight_mean", "guidance/is_clip_frac",
                "guidance/behavior_kl", "guidance/lambda"]  # fmt: skip
 SPECULATIVE_KEYS = [*GUIDED_KEYS, "guidance/accept_rate", "guidance/topk_tail_mass",
@@ -149,11 +152,15 @@ RUNS = [
                                          "rollout": {"offpolicy_guidance": {"mode": "mix", "mix_num_samples": 1}}},
                          algorithm={"disable_kl": False, "use_kl_loss": True, "kl_coef": 0.1}),
      [k for k in GUIDED_KEYS if k != "guidance/behavior_kl"] + ["guidance/missing_logprob_ratio", "actor/kl_loss"]),
-    # two draft replicas sharing one guidance service, distilling in reward mode
-    ("two_replicas+distill_reward",
-     {"worker": {"rollout": {"num_replicas": 2, "offpolicy_guidance": {"num_replicas": 1}}},
+    # two draft replicas sharing one guidance service, distilling in reward mode; two-stage
+    # rollouts (guide_when group_fails, every group "failing" below 1.5) whose 2 guided responses
+    # of 4 start with a teacher prefix of 0.25·8 = 2 tokens, shortened to 0 by the last step
+    ("two_replicas+distill_reward+group_fails+prefix",
+     {"worker": {"rollout": {"num_replicas": 2, "offpolicy_guidance": {
+         "num_replicas": 1, "guide_when": "group_fails", "fail_below": 1.5, "guided_samples": 2,
+         "prefix_fraction": 0.25, "prefix_fraction_end": 0.0, "prefix_schedule": "linear"}}},
       "data": {"val_files": "embedded://arithmetic@test"}, "algorithm": {"distill": {"coef": 0.5}}},
-     [*GUIDED_KEYS, "guidance/accept_rate", *DISTILL_KEYS]),
+     [*GUIDED_KEYS, "guidance/accept_rate", *DISTILL_KEYS, *SELECTIVE_KEYS]),
     ("distill_pure", {"algorithm": {"adv_estimator": "none", "distill": {"coef": 1.0}},
                       "worker": {"rollout": {"offpolicy_guidance": {"lam": 0.0}}}}, DISTILL_KEYS),
     ("distill_topk_forward", {"algorithm": {"adv_estimator": "none",
@@ -195,6 +202,10 @@ def test_two_step_run_trains_and_logs_finite_metrics(
         for s in samples:  # the reward's score of the response shown (digit_share)
             share = sum(c.isdigit() for c in s["response"]) / max(len(s["response"]), 1)
             assert s["score"] == pytest.approx(share)
+    if "group_fails" in name:  # every prompt guided: 2 of its 4 responses replaced
+        assert all(r["guidance/guided_prompt_frac"] == 1.0 for r in steps)
+        assert [r["guidance/prefix_fraction"] for r in steps] == [0.25, 0.0]
+        assert all(0.0 < r["guidance/lambda_mean"] for r in steps)
     if name == "distill_pure":  # λ = 0: the guidance only scores, every token is the draft's
         assert all(
             r["guidance/offpolicy_token_ratio"] == 0 and r["distill/missing_frac"] == 0

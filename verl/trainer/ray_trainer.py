@@ -48,6 +48,7 @@ from verl.trainer.metrics import (
     response_lengths,
     timed,
 )
+from verl.trainer.two_stage import generate_two_stage, group_success, needs_two_stages
 from verl.utils import metric_names as M
 from verl.utils.checkpoint import is_complete
 from verl.utils.dataset import RLDataset, build_dataloader
@@ -99,6 +100,14 @@ def step_guidance(config: PPOConfig, step: int, total_steps: int) -> tuple[float
         return lam, None
     weight = guided_advantage_weight(step, algo.guided_advantage_decay_steps)
     return (lam if weight > 0 else 0.0), weight
+
+
+def step_prefix(config: PPOConfig, step: int, total_steps: int) -> float:
+    """This step's teacher-prefix fraction: `prefix_fraction` → `prefix_fraction_end` under
+    `prefix_schedule`, over λ's span (`lam_schedule_steps`; `lam_at_step`)."""
+    guidance = config.worker.rollout.offpolicy_guidance
+    return lam_at_step(step, total_steps, guidance.prefix_fraction, guidance.prefix_fraction_end,
+                       guidance.prefix_schedule, guidance.lam_schedule_steps)  # fmt: skip
 
 
 class RayPPOTrainer:
@@ -191,12 +200,19 @@ class RayPPOTrainer:
         batch.non_tensor_batch["uid"] = np.array(
             [f"{self.global_step}-{i}" for i in range(len(batch))], dtype=object
         )
+        guidance = cfg.worker.rollout.offpolicy_guidance
         lam, _ = step_guidance(cfg, self.global_step, self.total_steps)
-        batch.meta_info.update(
-            global_step=self.global_step, lam=lam, entropy_threshold=self.entropy_tau
-        )
+        prefix = step_prefix(cfg, self.global_step, self.total_steps)
+        batch.meta_info.update(global_step=self.global_step, lam=lam, prefix_fraction=prefix,
+                               entropy_threshold=self.entropy_tau)  # fmt: skip
         with timed("gen", metrics):
-            out = self.rollout.generate_sequences(batch)
+            if needs_two_stages(guidance, lam, prefix):  # the draft alone first, then the failing
+                out = generate_two_stage(self.rollout, self.reward, batch, guidance,
+                                         cfg.worker.rollout.n, metrics)  # fmt: skip
+            else:
+                out = self.rollout.generate_sequences(batch)
+        if guidance.enable and (guidance.prefix_fraction > 0 or guidance.prefix_fraction_end > 0):
+            metrics[M.GUIDANCE_PREFIX_FRACTION] = prefix
         meta = out.meta_info
         self._gate_stats(out, meta.get("lam", 0.0), metrics)
         if "accept_rate" in meta:  # speculative rounds ran
@@ -314,11 +330,12 @@ class RayPPOTrainer:
                                                           b["sum_pi_squared"], b.get("importance_weights")))  # fmt: skip
 
     def _subset_scores(self, batch: DataProto, metrics: dict) -> None:
-        """guidance/subset_*_score: mean reward of the guided subset and of the draft-only rest."""
-        b = batch.batch
-        if (
-            "guided_responses" not in b.keys()
-            or self.config.worker.rollout.offpolicy_guidance.guided_samples is None
+        """guidance/subset_*_score: mean reward of the guided subset and of the draft-only rest
+        (with `guided_samples` or a selective `guide_when`)."""
+        b, guidance = batch.batch, self.config.worker.rollout.offpolicy_guidance
+        selective = guidance.guide_when != "always"
+        if "guided_responses" not in b.keys() or (
+            guidance.guided_samples is None and not selective
         ):
             return
         scores, guided = b["token_level_scores"].sum(-1), b["guided_responses"]
@@ -341,6 +358,8 @@ class RayPPOTrainer:
                 batch = batch.union(self.actor_wg.dispatch("compute_ref_log_prob", batch))
         with timed("reward", metrics):
             batch.batch["token_level_scores"], components = reward_future.result()
+        metrics.update(group_success(batch.batch["token_level_scores"].sum(-1), self.config.worker.rollout.n,
+                                     self.config.worker.rollout.offpolicy_guidance.fail_below))  # fmt: skip
         with timed("off_policy", metrics):
             self._off_policy(batch, metrics)
         check_mismatch_kl(metrics, self.config.algorithm.max_mismatch_kl, self.global_step)

@@ -161,14 +161,15 @@ TASKS: dict[str, EmbeddedTask] = {
     "arithmetic": EmbeddedTask(arithmetic_split, "arithmetic", 8, 4,
                                SFTSpec(MODEL, {"weak": 0.15, "draft": 0.36, "guidance": 0.97}, max_steps=1500)),
     "runsum": EmbeddedTask(runsum_split, "runsum", RUNSUM_TERMS + 1, RUNSUM_TERMS + 1,
-                           SFTSpec(SMALL, {"draft": 0.15, "guidance": 0.95}, max_steps=4000, batch_size=128), "sampled"),
+                           SFTSpec(SMALL, {"hard": 0.03, "draft": 0.15, "guidance": 0.95}, max_steps=4000, batch_size=128), "sampled"),
     "toolchain": EmbeddedTask(toolchain_split, "toolchain", TOOLCHAIN_PROMPT_LENGTH, TOOLCHAIN_RESPONSE_LENGTH,
                               SFTSpec(SMALL, {"draft": 0.15, "guidance": 0.95}, max_steps=4000, batch_size=128),
                               "sampled", toolchain_encode, TOOLCHAIN_TOOLS, TOOLCHAIN_FORMAT, TOOLCHAIN_MAX_TURNS),
 }  # fmt: skip
 """Embedded task name -> its definition. Targets: `arithmetic` weak 15 %, draft (the demo's)
 36 %, guidance 97 % (greedy); `runsum` draft 15 % (a student that gets most steps right and the
-whole answer seldom), guidance 95 % (sampled at T = 1); `toolchain` the same, over the canonical
+whole answer seldom), hard 3 % (a student whose groups of 8 mostly all fail: the regime where
+GRPO learns nothing from a prompt), guidance 95 % (sampled at T = 1); `toolchain` the same, over the canonical
 episode's policy tokens (its response length counts the tool tokens: 51; 4 turns at most)."""
 
 

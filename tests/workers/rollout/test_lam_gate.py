@@ -206,7 +206,61 @@ def test_without_gate_or_subset_the_round_lambda_stays_a_float():
     earlier test exercises), recorded per token."""
     batch = SpeculativeBatch([[0]] * 4, 0.5, 2, 3, None, torch.Generator().manual_seed(3))
     batch.next_round()
-    assert batch._lam(np.zeros(3), np.array([0, 1, 2])) == 0.5
+    assert batch._lam(np.zeros(3), np.array([0, 1, 2]), np.zeros(3, dtype=int)) == 0.5
     gated = SpeculativeBatch([[0]] * 4, 0.5, 2, 3, None, lam_scale=[1, 0, 1, 1])
     gated.next_round()
-    np.testing.assert_array_equal(gated._lam(np.zeros(3), np.array([0, 1, 2])), [0.5, 0.0, 0.5])
+    np.testing.assert_array_equal(
+        gated._lam(np.zeros(3), np.array([0, 1, 2]), np.zeros(3, dtype=int)), [0.5, 0.0, 0.5]
+    )
+
+
+def positional_pvalue(seqs, chains: list[torch.Tensor]) -> float:
+    """Chi-square p-value of sequences from state 0 whose token t follows `chains[t]`."""
+    length = len(chains)
+    counts = np.zeros(V**length)
+    for s in seqs:
+        counts[int(np.ravel_multi_index(s.tokens, (V,) * length))] += 1
+    probs = np.ones(V**length)
+    for index in range(V**length):
+        prev = 0
+        for t, tok in enumerate(np.unravel_index(index, (V,) * length)):
+            probs[index] *= chains[t][prev, tok].item()
+            prev = tok
+    return chi2_counts_pvalue(torch.from_numpy(counts), torch.from_numpy(probs))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_teacher_prefix_follows_q_then_the_mixture(k):
+    """24,000 prompts through `overlapped_generate` with bonus tokens, λ = 0.4, in four kinds:
+    guided with prefixes j = 0, 1, 3 and unguided. Token t of a guided sequence follows Q where
+    t < j and (1-λ)·P + λ·Q after (chi-square per kind); the unguided follow P; every token
+    records λ_t (1 inside the prefix), and the behavior log-probs from λ_t are the chain's."""
+    lam, n, length = 0.4, 24_000, 3
+    mix = (1 - lam) * P_CHAIN + lam * Q_CHAIN
+    kinds = [(1.0, 0), (1.0, 1), (1.0, 3), (0.0, 0)]  # (λ scale, prefix j)
+    scale = [kinds[i % 4][0] for i in range(n)]
+    prefix = [kinds[i % 4][1] for i in range(n)]
+    half = n // 2
+    batches = [SpeculativeBatch([[0]] * half, lam, k, length, None, torch.Generator().manual_seed(81 + g),
+                                ids=list(range(g * half, (g + 1) * half)), bonus=True,
+                                lam_scale=scale[g * half:(g + 1) * half], prefix=prefix[g * half:(g + 1) * half])
+               for g in range(2)]  # fmt: skip
+    overlapped_generate(batches, ListedChainStepper({0: 91, 1: 92}), ListedChainScorer(), 1)
+    seqs = [s for b in batches for s in b.seqs]
+    by_kind = [seqs[i::4] for i in range(4)]
+    assert positional_pvalue(by_kind[0], [mix] * 3) > 1e-3
+    assert positional_pvalue(by_kind[1], [Q_CHAIN, mix, mix]) > 1e-3
+    assert positional_pvalue(by_kind[1], [mix] * 3) < 1e-6  # the prefix changed the first token
+    assert positional_pvalue(by_kind[2], [Q_CHAIN] * 3) > 1e-3
+    assert positional_pvalue(by_kind[3], [P_CHAIN] * 3) > 1e-3
+    assert not any(any(s.offpolicy) for s in by_kind[3])
+    expected_lam = np.array([[1.0 if t < j else lam * c for t in range(length)] for c, j in kinds])
+    got = np.array([s.lam for s in seqs])
+    np.testing.assert_allclose(got, np.tile(expected_lam, (n // 4, 1)), rtol=0, atol=1e-12)
+    tokens = np.array([s.tokens for s in seqs])
+    prevs = np.concatenate([np.zeros((n, 1), dtype=int), tokens[:, :-1]], axis=1)
+    behavior = mixture_log_probs(torch.tensor([s.draft_log_probs for s in seqs], dtype=D),
+                                 torch.tensor([s.target_log_probs for s in seqs], dtype=D),
+                                 None, torch.from_numpy(got))  # fmt: skip
+    chain = (1 - got) * P_CHAIN.numpy()[prevs, tokens] + got * Q_CHAIN.numpy()[prevs, tokens]
+    np.testing.assert_allclose(behavior.numpy(), np.log(chain), rtol=0, atol=1e-12)

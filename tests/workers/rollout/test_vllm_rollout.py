@@ -641,3 +641,40 @@ def test_lora_merged_weights_make_the_guided_rollouts_draft_the_peft_model(guide
     finally:
         base = AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32).state_dict()
         rollout.sync_weights((name, base[name]) for name in adapted)
+
+
+def test_teacher_prefix_and_second_stage_on_the_engines(guided, models):
+    """A call as the trainer's second stage makes it: the first 2 of 3 responses per prompt
+    guided (`guided_per_prompt`), a teacher prefix of j = 0.5·8 = 4 tokens. Guided tokens carry
+    λ_t = 1 inside the prefix and 0.5 after, the third response λ_t = 0; the behavior
+    log-probs are log((1-λ_t)·p + λ_t·q) from HF forwards of both models. A `stage` draws its
+    own seeds: stage 1 repeats itself and differs from stage 0."""
+    from transformers import AutoModelForCausalLM
+
+    rollout, tok = guided
+    meta = dict(n=3, lam=0.5, temperature=1.0, prefix_fraction=0.5, guided_per_prompt=2, stage=1)
+    out = rollout.generate_sequences(prompt_batch(tok, ["1+2=", "33+4="], **meta))
+    b = out.batch
+    assert b["guided_responses"].tolist() == [True, True, False] * 2
+    lengths = b["response_mask"].sum(-1).long()
+    models_hf = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32) for p in models]
+    for i in range(6):
+        n = int(lengths[i])
+        lam_t = torch.tensor(
+            [(1.0 if t < 4 else 0.5) if i % 3 < 2 else 0.0 for t in range(n)], dtype=torch.float64
+        )
+        torch.testing.assert_close(b["guidance_lam"][i, :n].double(), lam_t, rtol=0, atol=1e-7)
+        ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
+        with torch.no_grad():
+            p, q = (torch.softmax(m(ids).logits[0, -n - 1 : -1].double(), -1) for m in models_hf)
+        toks = ids[0, -n:].unsqueeze(-1)
+        exact = (
+            (1 - lam_t) * p.gather(-1, toks).squeeze(-1) + lam_t * q.gather(-1, toks).squeeze(-1)
+        ).log()
+        torch.testing.assert_close(
+            b["behavior_log_probs"][i, :n].double(), exact, rtol=0, atol=1e-3
+        )
+    again = rollout.generate_sequences(prompt_batch(tok, ["1+2=", "33+4="], **meta))
+    assert torch.equal(again.batch["responses"], b["responses"])
+    first = rollout.generate_sequences(prompt_batch(tok, ["1+2=", "33+4="], **{**meta, "stage": 0}))
+    assert not torch.equal(first.batch["responses"], b["responses"])

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verl.trainer.core_algos.guidance import BEHAVIORS, GUIDANCE_MODES, LAM_GATES, LAM_SCHEDULES
+from verl.trainer.core_algos.guide_when import GUIDE_WHEN, PREFIX_DRAWS
 from verl.utils.config_checks import check_choice, check_fields, check_range, fail
 from verl.workers.rollout.multi_turn.config import MultiTurnConfig
 
@@ -86,6 +87,18 @@ class OffPolicyGuidanceConfig:
     """Entropy gate: τ = max(this percentile of the previous step's draft entropies on unguided responses, `entropy_threshold`) (None: τ fixed; MENTOR: 95)."""
     guided_samples: int | None = None
     """Speculative mode: the first m of each prompt's n responses are guided, the rest draft-only in the same rollout (None: all n)."""
+    guide_when: str = "always"
+    """Which prompts get guided responses (GUIDE_WHEN): always, or group_fails: the draft first answers every prompt n times alone and only prompts whose n responses all fail get m guided ones in place of their first m (m: `guided_samples` in speculative mode, `mix_num_samples` in mix), in the same step."""
+    fail_below: float = 0.5
+    """guide_when group_fails: a first-stage response fails when its reward is below this."""
+    prefix_fraction: float = 0.0
+    """Speculative mode, teacher prefix: λ_t = 1 on the first j of each guided response's tokens, j = round(this · response_length) (or drawn, `prefix_draw`), the step's λ after (0: no prefix)."""
+    prefix_fraction_end: float = 0.0
+    """The prefix fraction at the end of `prefix_schedule` (ignored by `constant`)."""
+    prefix_schedule: str = "constant"
+    """Schedule of the prefix fraction over training steps (LAM_SCHEDULES, over the same span as λ: `lam_schedule_steps`)."""
+    prefix_draw: str = "fixed"
+    """How j is drawn per guided response (PREFIX_DRAWS): fixed j, or uniform on {0, ..., j} from the response's own seed."""
     num_speculative_tokens: int = 4
     """Draft tokens proposed per round before the guidance scores them."""
     bonus_token: bool = True
@@ -141,6 +154,20 @@ class OffPolicyGuidanceConfig:
         if self.lam_gate != "none" and self.mode != "speculative":
             fail(f"{prefix}.lam_gate", self.lam_gate,
                  f"applies to mode=speculative only (mode={self.mode!r}); set it to none")  # fmt: skip
+        check_choice(f"{prefix}.guide_when", self.guide_when, GUIDE_WHEN.names())
+        check_choice(f"{prefix}.prefix_schedule", self.prefix_schedule, LAM_SCHEDULES.names())
+        check_choice(f"{prefix}.prefix_draw", self.prefix_draw, PREFIX_DRAWS.names())
+        check_range(f"{prefix}.prefix_fraction", self.prefix_fraction, 0.0, 1.0)
+        check_range(f"{prefix}.prefix_fraction_end", self.prefix_fraction_end, 0.0, 1.0)
+        if self.prefix_fraction > 0 and self.mode != "speculative":
+            fail(f"{prefix}.prefix_fraction", self.prefix_fraction,
+                 f"applies to mode=speculative only (mode={self.mode!r} writes whole responses); set it to 0")  # fmt: skip
+        if self.guide_when == "group_fails" and self.mode == "mix" and self.mix_num_samples == 0:
+            fail(f"{prefix}.mix_num_samples", 0,
+                 "guide_when=group_fails replaces the first mix_num_samples responses of a failing group: expected >= 1")  # fmt: skip
+        if self.guide_when == "group_fails" and self.guided_samples == 0:
+            fail(f"{prefix}.guided_samples", 0,
+                 "guide_when=group_fails replaces the first guided_samples responses of a failing group: expected >= 1 (null: all n)")  # fmt: skip
         if self.lam_schedule_steps is not None:
             check_range(f"{prefix}.lam_schedule_steps", self.lam_schedule_steps, 1)
         check_sampling_fields(f"{prefix}.sampling_overrides", self.sampling_overrides, GUIDANCE_SAMPLING_FIELDS)  # fmt: skip
@@ -251,6 +278,12 @@ class RolloutConfig:
             fail(f"{prefix}.offpolicy_guidance.keep_topk", True,
                  "multi-turn rollouts do not keep the guidance's top-K rows (the top-K forward KL is "
                  f"single-turn only); expected false, or {prefix}.multi_turn.enable=false")  # fmt: skip
+        if self.multi_turn.enable and guidance.enable and guidance.guide_when != "always":
+            fail(f"{prefix}.offpolicy_guidance.guide_when", guidance.guide_when,
+                 f"multi-turn rollouts are guided in one stage for now: expected always, or {prefix}.multi_turn.enable=false")  # fmt: skip
+        if self.multi_turn.enable and guidance.enable and guidance.prefix_fraction > 0:
+            fail(f"{prefix}.offpolicy_guidance.prefix_fraction", guidance.prefix_fraction,
+                 f"multi-turn rollouts take no teacher prefix for now: expected 0, or {prefix}.multi_turn.enable=false")  # fmt: skip
         shared = self.offpolicy_guidance.num_replicas
         if self.num_replicas is not None and shared is not None and shared > self.num_replicas:
             fail(f"{prefix}.offpolicy_guidance.num_replicas", shared,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from verl.trainer.core_algos.guidance import LAM_GATES
+from verl.trainer.core_algos.guide_when import prefix_lengths
 from verl.utils.registry import Registry
 from verl.workers.rollout.config import OffPolicyGuidanceConfig
 from verl.workers.rollout.speculative import GuidedSequence, ListedRows, RoundStats
@@ -65,15 +66,28 @@ ModeFn = Callable[[Any, Job], Generated]
 GENERATION_MODES: Registry[ModeFn] = Registry("generation mode")
 
 
-def _guided_samples(guidance: OffPolicyGuidanceConfig, n: int) -> int:
-    """How many of each prompt's n responses are guided (`guided_samples`, None: all)."""
-    return n if guidance.guided_samples is None else guidance.guided_samples
+def guided_per_prompt(guidance: OffPolicyGuidanceConfig, meta: dict, n: int) -> int:
+    """How many of each prompt's n responses are guided: the call's `guided_per_prompt` (the
+    trainer's two stages of `guide_when: group_fails`), else `mix_num_samples` in mix mode and
+    `guided_samples` (None: all n) in speculative mode; at most n."""
+    if "guided_per_prompt" in meta:
+        return min(int(meta["guided_per_prompt"]), n)
+    if guidance.mode == "mix":
+        return min(guidance.mix_num_samples, n)
+    return n if guidance.guided_samples is None else min(guidance.guided_samples, n)
+
+
+def prefix_fraction(guidance: OffPolicyGuidanceConfig, meta: dict) -> float:
+    """The call's teacher-prefix fraction: the trainer's scheduled value (`step_prefix`), else
+    the configured `prefix_fraction`."""
+    return float(meta.get("prefix_fraction", guidance.prefix_fraction))
 
 
 def pick_mode(guidance: OffPolicyGuidanceConfig, meta: dict, n: int) -> tuple[str, float]:
     """The call's mode and λ: the draft alone without guidance (or when the call says
-    `guidance: False`, e.g. validation), else by `guidance.mode`, with λ = 0 (or no guided
-    response) scored by prefill under `teacher_scoring: prefill`."""
+    `guidance: False`, e.g. validation), else by `guidance.mode`, with nothing to guide (λ = 0
+    and no teacher prefix, or no guided response) scored by prefill under `teacher_scoring:
+    prefill`."""
     if not guidance.enable or not meta.get("guidance", True):  # e.g. validation: the draft alone
         return "draft_only", 0.0
     # the step's λ as the trainer scheduled it (`ray_trainer.step_guidance`); a caller outside
@@ -81,7 +95,10 @@ def pick_mode(guidance: OffPolicyGuidanceConfig, meta: dict, n: int) -> tuple[st
     lam = float(meta.get("lam", guidance.lam))
     if guidance.mode == "mix":
         return "mix", lam
-    if (lam == 0.0 or _guided_samples(guidance, n) == 0) and guidance.teacher_scoring == "prefill":
+    nothing = lam == 0.0 and prefix_fraction(guidance, meta) == 0.0
+    if (
+        nothing or guided_per_prompt(guidance, meta, n) == 0
+    ) and guidance.teacher_scoring == "prefill":
         return "teacher_only_prefill", lam  # scores only
     return "speculative", lam
 
@@ -106,10 +123,11 @@ def draft_only(rollout: VLLMRollout, job: Job) -> Generated:
 
 @GENERATION_MODES.register("mix")
 def mix(rollout: VLLMRollout, job: Job) -> Generated:
-    """The first `mix_num_samples` of each prompt's n samples from the guidance (its process
-    samples them while the draft engine samples the rest here), the others from the draft."""
+    """The first `mix_num_samples` (`guided_per_prompt`) of each prompt's n samples from the
+    guidance (its process samples them while the draft engine samples the rest here), the
+    others from the draft."""
     prompts, n, seeds = job.prompts, job.n, job.seeds[:, 0]
-    k = rollout.config.offpolicy_guidance.mix_num_samples
+    k = guided_per_prompt(rollout.config.offpolicy_guidance, job.meta, n)
     rows = {g: [i for i in range(len(prompts)) if (i % n < k) == g] for g in (True, False)}
     seqs: list = [None] * len(prompts)
     if rows[True]:
@@ -175,19 +193,23 @@ def speculative(rollout: VLLMRollout, job: Job) -> Generated:
     guided, the others λ_t = 0 (the draft alone), with the gate `lam_gate` at the call's
     `entropy_threshold` τ (`speculative_mode.speculative_waves`)."""
     guided, gate = guided_rows(rollout, job)
-    seqs, stats = speculative_waves(rollout, job.prompts, job.lam, job.seeds, guided, gate)
+    guidance = rollout.config.offpolicy_guidance
+    prefix = prefix_lengths(prefix_fraction(guidance, job.meta), rollout._max_tokens,
+                            guidance.prefix_draw, job.seeds[:, 1], guided)  # fmt: skip
+    seqs, stats = speculative_waves(rollout, job.prompts, job.lam, job.seeds, guided, gate, prefix)
     return Generated(seqs, stats, guided)
 
 
 def guided_rows(
     rollout: VLLMRollout, job: Job
 ) -> tuple[np.ndarray, Callable[[np.ndarray], np.ndarray] | None]:
-    """Which of the job's B sequences are guided ((B,) bool: the first `guided_samples` of each
-    prompt's n, none at λ = 0) and the per-position gate of λ (`lam_gate` with the call's
-    `entropy_threshold` τ; None: λ_t = λ)."""
+    """Which of the job's B sequences are guided ((B,) bool: the first `guided_per_prompt` of
+    each prompt's n, none at λ = 0 without a teacher prefix) and the per-position gate of λ
+    (`lam_gate` with the call's `entropy_threshold` τ; None: λ_t = λ)."""
     guidance = rollout.config.offpolicy_guidance
-    subset = _guided_samples(guidance, job.n)
-    guided = (np.arange(len(job.prompts)) % job.n < subset) & (job.lam > 0.0)
+    subset = guided_per_prompt(guidance, job.meta, job.n)
+    active = job.lam > 0.0 or prefix_fraction(guidance, job.meta) > 0.0
+    guided = (np.arange(len(job.prompts)) % job.n < subset) & active
     if guidance.lam_gate == "none":
         return guided, None
     tau = float(job.meta.get("entropy_threshold", guidance.entropy_threshold))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from verl.trainer.core_algos.guide_when import prefix_lam
 from verl.workers.rollout.log_prob_tables import ListedRows, TopK, listed_entropy
 from verl.workers.rollout.speculative_verify import (
     BonusRows,
@@ -86,7 +87,9 @@ class SpeculativeBatch:
     more (`draw_bonus`). `generator`: one shared, or one per prompt (see `_uniforms`).
     Per-position λ_t = lam · lam_scale[sequence] · gate(H_t), H_t the draft's entropy at the
     position (`listed_entropy` of its row; `gate` maps (N,) entropies to factors in [0, 1]):
-    `lam_scale` 0 makes a sequence draft-only (exactly p), `gate` None means 1.
+    `lam_scale` 0 makes a sequence draft-only (exactly p), `gate` None means 1; a teacher prefix
+    `prefix[sequence]` = j sets λ_t = 1 at its response positions t < j (`prefix_lam`; None: no
+    prefix), so the guidance writes those tokens and the draft continues after.
     `max_new_tokens`: one limit for all, or one per prompt. `stop(row, tokens) -> n | None`: after
     each round, whether sequence `row`'s response `tokens` ended at n tokens (n at most
     len(tokens), past those it had before the round); the rest of the round is dropped and the
@@ -107,9 +110,15 @@ class SpeculativeBatch:
         lam_scale: list[float] | None = None,
         gate: Callable[[np.ndarray], np.ndarray] | None = None,
         stop: Callable[[int, list[int]], int | None] | None = None,
+        prefix: list[int] | np.ndarray | None = None,
     ) -> None:
         self.prompts, self.lam, self.generator, self.bonus = prompts, lam, generator, bonus
         self.gate, self.stop = gate, stop
+        self.prefix = (
+            np.zeros(len(prompts), dtype=np.int64)
+            if prefix is None
+            else np.asarray(prefix, dtype=np.int64)
+        )
         self.lam_scale = (
             np.ones(len(prompts)) if lam_scale is None else np.asarray(lam_scale, dtype=np.float64)
         )
@@ -165,7 +174,7 @@ class SpeculativeBatch:
         seq = np.repeat(np.arange(len(num)), num)  # the sequence of each flat proposal row
         pos = np.arange(len(seq)) - np.repeat(np.cumsum(num) - num, num)
         entropy = _row_entropy(draft_tables, num_proposed)  # (N,) H_t at each proposal
-        lam = self._lam(entropy, seq)
+        lam = self._lam(entropy, seq, pos)
         if isinstance(draft_tables, ListedRows) and isinstance(guidance_tables, ListedRows):
             result = verify_listed(num_proposed, draft_tables, guidance_tables, lam, uniforms, at)
         else:
@@ -193,18 +202,24 @@ class SpeculativeBatch:
                 self._append(r, *([value] for value in extra[i]))
                 self.stats.bonus += 1
 
-    def _lam(self, entropy: np.ndarray, rows: np.ndarray) -> float | np.ndarray:
-        """λ_t at positions with draft entropies `entropy` (N,) of round rows `rows` (N,): the
-        float λ when neither a gate nor a guided subset applies, else (N,) values."""
-        scale = (
-            self.lam_scale[np.asarray(self._rows, dtype=np.int64)[rows]]
+    def _lam(
+        self, entropy: np.ndarray, rows: np.ndarray, offsets: np.ndarray
+    ) -> float | np.ndarray:
+        """λ_t at positions with draft entropies `entropy` (N,) of round rows `rows` (N,), each
+        `offsets` (N,) tokens past its sequence's emitted tokens: the float λ when no gate, guided
+        subset or prefix applies, else (N,) values."""
+        seqs = (
+            np.asarray(self._rows, dtype=np.int64)[rows]
             if len(rows)
-            else np.zeros(0)
+            else np.zeros(0, dtype=np.int64)
         )
-        if self.gate is None and (scale == 1.0).all():
+        scale = self.lam_scale[seqs]
+        positions = np.array([len(self.seqs[r].tokens) for r in seqs], dtype=np.int64) + offsets
+        prefixed = positions < self.prefix[seqs]
+        if self.gate is None and (scale == 1.0).all() and not prefixed.any():
             return float(self.lam)
         gate = np.ones(len(rows)) if self.gate is None else self.gate(entropy)
-        return self.lam * scale * gate
+        return prefix_lam(self.lam * scale * gate, positions, self.prefix[seqs])
 
     def _probe_at(self, proposals: torch.Tensor, probe: Callable | None) -> DraftProbe | None:
         """`probe` as a `DraftProbe` of this round: round rows and proposal counts to prefixes."""
@@ -249,7 +264,7 @@ class SpeculativeBatch:
         n = num.numpy()
         lookahead = bonus.draft.take(at)
         entropy = lookahead.entropy()
-        drawn = draw_bonus(lookahead, bonus.guidance.take(rows), self._lam(entropy, rows), u[rows],
+        drawn = draw_bonus(lookahead, bonus.guidance.take(rows), self._lam(entropy, rows, n[rows]), u[rows],
                            None if probe is None else lambda i, t: probe(rows[i], n[rows[i]], t))  # fmt: skip
         drawn["entropy"] = entropy
         names = ("tokens", "offpolicy", "log_p", "log_q", "log_t", "tv", "lam", "entropy")

@@ -39,18 +39,28 @@ def speculative_waves(
     seeds: np.ndarray,
     guided: np.ndarray,
     gate: Callable[[np.ndarray], np.ndarray] | None,
+    prefix: np.ndarray | None = None,
 ) -> tuple[list[GuidedSequence], RoundStats]:
     """Speculative guidance in waves of sequences whose sessions fit both KV caches at once
     (a session keeps its KV blocks from its first round to its last), each wave's sessions freed
     after it. Sequences not `guided` (B,) sample the draft alone (λ_t = 0); `gate` maps draft
-    entropies to λ_t / λ; `seeds` (B, 2) as `sequence_seeds`."""
+    entropies to λ_t / λ; `prefix` (B,) the teacher prefix j of each sequence (λ_t = 1 on its
+    first j tokens; None: none); `seeds` (B, 2) as `sequence_seeds`."""
     wave = wave_size(rollout, [len(p) for p in prompts], rollout._max_tokens)
     seqs, stats = [], RoundStats()
     for start in range(0, len(prompts), wave):
         rollout._call += 1  # session ids are unique per wave
         part = slice(start, start + wave)
         with sessions_freed(rollout):
-            batches = run_rounds(rollout, prompts[part], lam, seeds[part], guided[part], gate)
+            batches = run_rounds(
+                rollout,
+                prompts[part],
+                lam,
+                seeds[part],
+                guided[part],
+                gate,
+                prefix=None if prefix is None else prefix[part],
+            )
         for batch in batches:
             seqs.extend(batch.seqs)
             stats.add(batch.stats)
@@ -91,6 +101,7 @@ def run_rounds(
     limits: list[int] | None = None,
     stop: Callable[[int, list[int]], int | None] | None = None,
     ids: list[int] | None = None,
+    prefix: np.ndarray | None = None,
 ) -> list[SpeculativeBatch]:
     """Speculative rounds until every sequence of `prompts` ended, in `pipeline_groups` batches
     run overlapped; the sessions stay open (`sessions_freed` frees them). `ids` (B,) name each
@@ -99,7 +110,8 @@ def run_rounds(
     reuses its sessions' KV cache and computes only the new tokens. `limits` (B,) each
     sequence's most new tokens (None: the call's `max_tokens`); `stop(b, tokens)` as
     `SpeculativeBatch`'s, b the sequence's row here; `seeds` (B, 2) as `sequence_seeds` (the
-    draft's sampling seed applies to a session's first chunk)."""
+    draft's sampling seed applies to a session's first chunk); `prefix` (B,) teacher prefix
+    lengths as `SpeculativeBatch`'s (None: none)."""
     guidance = rollout.config.offpolicy_guidance
     ids = list(range(len(prompts))) if ids is None else list(ids)
     limits = [rollout._max_tokens] * len(prompts) if limits is None else list(limits)
@@ -109,7 +121,7 @@ def run_rounds(
     groups = np.array_split(np.arange(len(prompts)), min(guidance.pipeline_groups, len(prompts)))
     batches = [SpeculativeBatch([prompts[i] for i in g], lam, guidance.num_speculative_tokens, [limits[i] for i in g],
                                 eos, [gens[i] for i in g], ids=[ids[i] for i in g], bonus=guidance.bonus_token,
-                                lam_scale=scale[g].tolist(), gate=gate,
+                                lam_scale=scale[g].tolist(), gate=gate, prefix=None if prefix is None else prefix[g],
                                 stop=None if stop is None else (lambda r, tokens, g=g: stop(int(g[r]), tokens)))
                for g in groups]  # fmt: skip
     seed_of = dict(zip(ids, seeds[:, 0].tolist(), strict=True))

@@ -118,7 +118,8 @@ class VLLMRollout(EngineLifecycle):
             )
         repeated = [ids for ids in prompt_ids for _ in range(n)]
         step_seed = int(meta.get("seed", self.config.seed)) + 7919 * int(meta.get("global_step", 0))
-        seeds = sequence_seeds(step_seed, int(meta.get("first_row", 0)), len(prompt_ids), n)
+        seeds = sequence_seeds(step_seed, int(meta.get("first_row", 0)), len(prompt_ids), n,
+                               int(meta.get("stage", 0)))  # fmt: skip
         self._counters = Counters()
         mode, lam = pick_mode(self.config.offpolicy_guidance, meta, n)
         if self.config.multi_turn.enable:  # the mode's multi-turn form (mix: refused by the config)
@@ -142,16 +143,18 @@ class VLLMRollout(EngineLifecycle):
         return out
 
 
-def sequence_seeds(step_seed: int, first_row: int, rows: int, n: int) -> np.ndarray:
+def sequence_seeds(step_seed: int, first_row: int, rows: int, n: int, stage: int = 0) -> np.ndarray:
     """(rows * n, 2) seeds of each sequence, row-major by prompt: its sampling seed for the
-    engine and its speculative acceptance draws. A function of the step's seed and the prompt's
-    row in the whole batch alone (`first_row` + r), so a sequence gets the same seeds whichever
-    replica, wave or group generates it."""
+    engine and its speculative acceptance draws. A function of the step's seed, the prompt's
+    row in the whole batch (`first_row` + r) and the call's `stage` alone, so a sequence gets the
+    same seeds whichever replica, wave or group generates it; a second stage (`guide_when:
+    group_fails`) draws its own, independent of the first stage's."""
     if rows == 0:
         return np.zeros((0, 2), dtype=np.int64)
+    key = [] if stage == 0 else [stage]
     return np.concatenate(
         [
-            np.random.default_rng([step_seed, first_row + r]).integers(0, 2**31, (n, 2))
+            np.random.default_rng([step_seed, first_row + r, *key]).integers(0, 2**31, (n, 2))
             for r in range(rows)
         ]
     )
