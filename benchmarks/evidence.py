@@ -182,10 +182,23 @@ TASK_CELLS = {
         "mentor_at_grpo_lr",
     ),
     "toolchain": ("grpo", "spec_exact", "distill", "spec_distill"),
-    "runsum_hard": ("grpo", "spec_exact", "fails_exact", "fails_prefix", "mix", "distill", "mentor"),
+    "runsum_hard": (
+        "grpo",
+        "spec_exact",
+        "fails_exact",
+        "fails_prefix",
+        "mix",
+        "distill",
+        "mentor",
+    ),
 }
 """Task -> the cells `make evidence` runs on it (`--cells` picks others)."""
-TUNE_DRAFT = {"arithmetic": "base", "runsum": "student", "runsum_hard": "hard", "toolchain": "student"}
+TUNE_DRAFT = {
+    "arithmetic": "base",
+    "runsum": "student",
+    "runsum_hard": "hard",
+    "toolchain": "student",
+}
 """Task -> the draft learning rates are tuned from."""
 MEASURE = {"arithmetic": "greedy", "runsum": "sampled at T = 1, 4 per prompt",
            "runsum_hard": "sampled at T = 1, 4 per prompt",
