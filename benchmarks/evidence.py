@@ -94,6 +94,10 @@ CELLS = (
     Cell("mix_at_grpo_lr", "diagnosis: mix at plain GRPO's lr", MIX, True, ("student",), varies="grpo"),
     Cell("mentor_at_grpo_lr", "diagnosis: MENTOR at plain GRPO's lr", (f"{G}guided_samples=4",), True,
          ("student",), overlays=("mentor",), varies="grpo"),
+    # ... and plain GRPO between its pick (3e-4) and the rate at which it collapsed (1e-3), against
+    # mix at its own 1e-3: 1e-3 x 0.55 = 5.5e-4, near the geometric middle (5.48e-4)
+    Cell("grpo_mid_lr", "diagnosis: plain GRPO at 0.55x mix's lr", (f"{G}enable=false",), True,
+         ("student",), varies="mix", lr_scale=0.55),
     # The hard regime (runsum's 3 % student, most groups of 8 all fail): guidance only where the
     # draft found nothing (configs/guide_failing.yaml), or as a teacher prefix there (BREAD-like,
     # configs/teacher_prefix.yaml: the guidance writes the first half, shortened to 0 over the
@@ -549,13 +553,31 @@ def tuning_markdown(result: dict) -> str:
 def build_models(task: str, drafts: list[str]) -> tuple[dict[str, str], str, dict[str, float]]:
     """The task's drafts (label -> path), its guidance path and every model's held-out accuracy
     (built once, `verl.utils.embedded.build_embedded`)."""
-    from verl.utils.embedded import build_embedded
+    from verl.utils.embedded import TASKS, build_embedded
 
-    pair = build_embedded(task=EMBEDDED.get(task, task))
+    embedded = EMBEDDED.get(task, task)
+    pair = build_embedded(task=embedded)
     names = TASK_DRAFTS[task]
     accuracy = {d: pair[f"{names[d]}_accuracy"] for d in drafts}
     accuracy["guidance"] = pair["guidance_accuracy"]
+    if TASKS[embedded].measure == "sampled" and not TASKS[embedded].tools:
+        for d in drafts:  # the groups of 8 (every run's n) expected to hold no success
+            accuracy[f"{d}_all_fail_8"] = draft_all_fail(str(pair[names[d]]), embedded)
     return {d: str(pair[names[d]]) for d in drafts}, str(pair["guidance"]), accuracy
+
+
+def draft_all_fail(path: str, task: str, n: int = 8) -> float:
+    """Expected share of the held-out prompts whose n samples at T = 1 all miss the exact answer
+    (`verl.utils.embedded.all_fail_share`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from verl.utils.embedded import TASKS, all_fail_share, sampled_row_accuracy
+    from verl.utils.tiny_lm import build_char_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rows = TASKS[task].rows("test")
+    return all_fail_share(sampled_row_accuracy(model, rows, build_char_tokenizer()), n)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,9 @@ EXPECTED = {  # launcher -> (dotted key, value) pairs its final config must hold
     "qwen2_5_7b_math_lora_guided.sh": [("worker.actor.model.lora.rank", 32), ("worker.actor.model.lora.alpha", 64),
                                        ("worker.actor.model.lora.target_modules", "all-linear"),
                                        ("worker.rollout.offpolicy_guidance.mode", "speculative")],
+    "qwen2_5_1_5b_math_guide_failing.sh": [("worker.rollout.offpolicy_guidance.guide_when", "group_fails"),
+                                           ("worker.rollout.offpolicy_guidance.guided_samples", 4),
+                                           ("worker.rollout.n", 8), ("worker.rollout.offpolicy_guidance.lam", 0.5)],
     "qwen2_5_1_5b_math_mentor.sh": [("worker.rollout.offpolicy_guidance.lam_gate", "entropy"),
                                     ("worker.rollout.offpolicy_guidance.guided_samples", 4), ("worker.rollout.n", 12),
                                     ("algorithm.guided_advantage", "mentor"), ("algorithm.tis_level", "none")],
@@ -76,6 +79,24 @@ def test_mentor_launcher_exact_switches_on_the_importance_weights():
     assert config.algorithm.tis_level == "token" and config.algorithm.guided_advantage == "mentor"
     assert config.worker.rollout.offpolicy_guidance.lam_gate == "entropy"
     assert config.trainer.experiment_name == "qwen2_5_1_5b_math_mentor_exact"
+
+
+def test_guide_failing_launcher_prefix_adds_the_teacher_prefix():
+    """PREFIX=1 merges configs/teacher_prefix.yaml after guide_failing.yaml: the guidance writes a
+    prefix of half the response, shortened to 0, and λ is 0 after it."""
+    proc = dry_run(ROOT / "examples" / "qwen2_5_1_5b_math_guide_failing.sh", PREFIX="1",
+                   MODEL_PATH="Org/draft", N_GPUS="4", HF_HUB_OFFLINE="0")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    g = OmegaConf.create(proc.stdout).worker.rollout.offpolicy_guidance
+    assert (g.guide_when, g.prefix_fraction, g.prefix_fraction_end, g.lam) == (
+        "group_fails",
+        0.5,
+        0.0,
+        0.0,
+    )
+    assert (
+        OmegaConf.create(proc.stdout).trainer.experiment_name == "qwen2_5_1_5b_math_teacher_prefix"
+    )
 
 
 def test_a_bad_override_fails_in_one_line():

@@ -207,3 +207,12 @@ def test_runsum_reward_reads_the_final_answer_in_its_format():
     assert score("7193") == 1.0  # two wrong steps that cancel: the final answer is right
     assert score("7092") == 0.0  # a wrong last step
     assert score("3") == 0.0 and score("709 3") == 0.0 and score("") == 0.0  # not its format
+
+
+def test_all_fail_share_hand_values():
+    from verl.utils.embedded import all_fail_share
+
+    # rows succeeding with 0.5 and 0.0, groups of 2: (0.5² + 1²) / 2 = (0.25 + 1) / 2 = 0.625
+    assert all_fail_share(torch.tensor([0.5, 0.0]), 2) == pytest.approx(0.625, abs=1e-12)
+    # a 3 % row, groups of 8: 0.97^8 = 0.783743...
+    assert all_fail_share(torch.tensor([0.03], dtype=torch.float64), 8) == pytest.approx(0.97**8, abs=1e-12)

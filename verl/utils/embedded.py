@@ -220,10 +220,25 @@ def sampled_accuracy(
     teacher-forced forward (no sampling noise; smooth in the weights, unlike greedy accuracy).
     `encode` (`EmbeddedTask.encode`) gives the sequences and the tokens the product runs over
     (`toolchain`: the canonical episode's policy tokens, its tool tokens given)."""
+    return sampled_row_accuracy(model, rows, tokenizer, temperature, encode).mean().item()
+
+
+@torch.no_grad()
+def sampled_row_accuracy(
+    model, rows: list[dict[str, str]], tokenizer, temperature: float = 1.0, encode=_encode
+) -> torch.Tensor:
+    """(R,) each row's probability of its exact answer sampled at `temperature` (`sampled_accuracy`
+    is their mean)."""
     ids, mask = encode(rows, tokenizer)
     log_probs = (model(ids).logits[:, :-1].float() / temperature).log_softmax(-1)
     picked = log_probs.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) * mask[:, 1:]
-    return picked.sum(-1).exp().mean().item()
+    return picked.sum(-1).exp()
+
+
+def all_fail_share(row_accuracy: torch.Tensor, n: int) -> float:
+    """Expected share of groups of n independent samples that all fail: mean over rows of
+    (1 - a_r)^n, a_r a row's success probability (R,). The groups GRPO learns nothing from."""
+    return ((1.0 - row_accuracy.double()) ** n).mean().item()
 
 
 @torch.no_grad()
