@@ -196,3 +196,26 @@ def test_guidance_tensors_hand_values(lam, mode, behavior, expected_mu):
     assert out["guidance_missing_mask"].tolist() == [[False, False, True, False, False]]
     assert out["offpolicy_mask"].tolist() == [[False, False, False, True, False]]
     assert all(torch.isfinite(v.double()).all() for v in out.values())
+
+
+def test_topk_targets_hand_values():
+    """λ' of each top-K target: renormalize keeps λ; draft_tail scales it by Q_S.
+    λ = [0.5, 1.0], Q_S = [0.9, 0.25]: draft_tail λ' = [0.45, 0.25]. At state 0 of a chain with
+    p = [0.6, 0.3, 0.1], q = [0.1, 0.2, 0.7], S = {2, 1} (Q_S = 0.9), λ = 0.5:
+    (1-λ')p + λ'q̃ = 0.55·[0.6, 0.3, 0.1] + 0.45·[0, 2/9, 7/9] = [0.33, 0.265, 0.405]
+    = (1 - λQ_S)p + λq·1_S = 0.55·p + 0.5·[0, 0.2, 0.7]."""
+    import numpy as np
+
+    from verl.trainer.core_algos.guidance import TOPK_TARGETS
+
+    lam, mass = np.array([0.5, 1.0]), np.array([0.9, 0.25])
+    np.testing.assert_array_equal(TOPK_TARGETS.get("renormalize")(lam, mass), lam)
+    np.testing.assert_allclose(
+        TOPK_TARGETS.get("draft_tail")(lam, mass), [0.45, 0.25], rtol=0, atol=1e-15
+    )
+    p, q_t = np.array([0.6, 0.3, 0.1]), np.array([0.0, 2 / 9, 7 / 9])
+    lam_eff = TOPK_TARGETS.get("draft_tail")(np.array([0.5]), np.array([0.9]))[0]
+    np.testing.assert_allclose(
+        (1 - lam_eff) * p + lam_eff * q_t, [0.33, 0.265, 0.405], rtol=0, atol=1e-12
+    )
+    assert set(TOPK_TARGETS.names()) == {"renormalize", "draft_tail"}

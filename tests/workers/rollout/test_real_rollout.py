@@ -46,8 +46,8 @@ def real(real_pair):
     return tok, *hf
 
 
-def real_rollout(real_pair, tok, logprobs: int, response_length: int) -> VLLMRollout:
-    cfg = rollout_config(str(real_pair.guidance), vocab=logprobs, lam=LAM)
+def real_rollout(real_pair, tok, logprobs: int, response_length: int, **guidance) -> VLLMRollout:
+    cfg = rollout_config(str(real_pair.guidance), vocab=logprobs, lam=LAM, **guidance)
     cfg.prompt_length, cfg.response_length = 96, response_length
     return VLLMRollout(str(real_pair.draft), cfg, tok.eos_token_id, tok.pad_token_id)
 
@@ -173,11 +173,13 @@ def test_real_sequences_are_exact_at_the_default_k(real_pair, real, name, settin
         assert (b["rollout_log_probs"][valid] > LOG_PROB_FLOOR).all()
 
 
-def test_real_first_token_follows_the_target(real_pair, real):
-    """1,500 first tokens after a short prompt at T = 1, K = 20: chi-square against
-    μ = (1-λ)p + λq̃ from HF, and every first token's behavior log-prob equals log μ."""
+@pytest.mark.parametrize("target", ["renormalize", "draft_tail"])
+def test_real_first_token_follows_the_target(real_pair, real, target):
+    """1,500 first tokens after a short prompt at T = 1, K = 20: chi-square against the target
+    from HF, μ = (1-λ)p + λq̃ (renormalize) or (1 - λQ_S)p + λq·1_S (draft_tail), and every first
+    token's behavior log-prob equals log μ."""
     tok, draft_hf, guide_hf = real
-    rollout = real_rollout(real_pair, tok, logprobs=20, response_length=4)
+    rollout = real_rollout(real_pair, tok, logprobs=20, response_length=4, topk_target=target)
     prompt = tok("The capital of France is")["input_ids"]
     try:
         out = rollout.generate_sequences(prompt_batch(tok, ["The capital of France is"], n=1500,
@@ -190,10 +192,14 @@ def test_real_first_token_follows_the_target(real_pair, real):
             for m in (draft_hf, guide_hf)
         )
     in_s = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, q.topk(20).indices, True)
-    target = (1 - LAM) * p + LAM * q * in_s / q[in_s].sum()
+    mass = q[in_s].sum()
+    if target == "renormalize":
+        mu = (1 - LAM) * p + LAM * q * in_s / mass
+    else:
+        mu = (1 - LAM * mass) * p + LAM * q * in_s
     first = out.batch["responses"][:, 0]
-    assert chi2_pvalue(first, target) > 1e-3
-    torch.testing.assert_close(out.batch["behavior_log_probs"][:, 0].double(), target[first].log(), rtol=0, atol=1e-4)  # fmt: skip
+    assert chi2_pvalue(first, mu) > 1e-3
+    torch.testing.assert_close(out.batch["behavior_log_probs"][:, 0].double(), mu[first].log(), rtol=0, atol=1e-4)  # fmt: skip
     assert out.batch["offpolicy_mask"][:, 0].float().mean() > 0.05
 
 

@@ -552,12 +552,19 @@ class ListedChainScorer(ToyScorer):
 
 
 def run_bonus_batches(
-    lam: float, k: int, n: int, length: int, stagger: int, draft_top=None, guide_top=None
+    lam: float,
+    k: int,
+    n: int,
+    length: int,
+    stagger: int,
+    draft_top=None,
+    guide_top=None,
+    target: str = "renormalize",
 ):
     """Two batches of n prompts [0] with bonus tokens through `overlapped_generate`; returns
     the batches and the draft stepper (its probe calls)."""
     batches = [SpeculativeBatch([[0]] * n, lam, k, length, None, torch.Generator().manual_seed(41 + g),
-                                ids=list(range(g * n, (g + 1) * n)), bonus=True) for g in range(2)]  # fmt: skip
+                                ids=list(range(g * n, (g + 1) * n)), bonus=True, target=target) for g in range(2)]  # fmt: skip
     stepper, scorer = ListedChainStepper({0: 51, 1: 52}, draft_top), ListedChainScorer(guide_top)
     overlapped_generate(batches, stepper, scorer, stagger)
     assert not stepper.running and not scorer.queue
@@ -647,3 +654,62 @@ def test_bonus_tokens_do_not_depend_on_timing():
         assert [s.tokens for s in a.seqs] == [s.tokens for s in b.seqs]
         assert [s.offpolicy for s in a.seqs] == [s.offpolicy for s in b.seqs]
         assert a.stats == b.stats and a.stats.bonus > 0 and a.stats.rounds > 2
+
+
+def draft_tail_chain(lam: float, top: int) -> torch.Tensor:
+    """t = (1 - λQ_S)·P + λ·Q·1_S per state, S the `top` most likely tokens of Q's row."""
+    keep = truncated_chain(Q_CHAIN, top) > 0
+    listed = torch.where(keep, Q_CHAIN, 0.0)
+    mass = listed.sum(-1, keepdim=True)
+    return (1 - lam * mass) * P_CHAIN + lam * listed
+
+
+@pytest.mark.parametrize(("lam", "k"), [(0.5, 1), (1.0, 2), (0.8, 3)])
+def test_draft_tail_target_gives_the_unlisted_mass_to_the_draft(lam, k):
+    """Guidance rows listing their top 2 only, target `draft_tail`: 3-token sequences of 2 x 10,000
+    prompts follow t = (1 - λQ_S)·P + λ·Q·1_S (chi-square), not the renormalised (1-λ)P + λQ̃.
+    Each token records λ'_t = λ·Q_S of its state, the bound λ·(1 - Q_S) as its distance, and the
+    behavior log((1-λ')p + λ'q̃) is log t of the chain.
+    By hand, state 0: Q = [0.1, 0.2, 0.7], S = {2, 1}, Q_S = 0.9; at λ = 0.5
+    t = 0.55·[0.6, 0.3, 0.1] + 0.5·[0, 0.2, 0.7] = [0.33, 0.265, 0.405]."""
+    torch.testing.assert_close(
+        draft_tail_chain(0.5, 2)[0], torch.tensor([0.33, 0.265, 0.405], dtype=D)
+    )
+    n, length = 10_000, 3
+    batches, _ = run_bonus_batches(
+        lam, k, n, length, 1, draft_top=1, guide_top=2, target="draft_tail"
+    )
+    seqs = [s for b in batches for s in b.seqs]
+    target = draft_tail_chain(lam, 2)
+    outcomes = list(itertools.product(range(V), repeat=length))
+    counts = torch.zeros(len(outcomes), dtype=D)
+    for s in seqs:
+        counts[outcomes.index(tuple(s.tokens))] += 1
+
+    def pvalue(chain: torch.Tensor) -> float:
+        probs = torch.ones(len(outcomes), dtype=D)
+        for i, o in enumerate(outcomes):
+            prev = 0
+            for tok in o:
+                probs[i] *= chain[prev, tok]
+                prev = tok
+        if counts[probs == 0].sum() > 0:  # an outcome impossible under `chain` was drawn
+            return 0.0
+        return chi2_counts_pvalue(counts, probs)
+
+    assert pvalue(target) > 1e-3
+    assert pvalue((1 - lam) * P_CHAIN + lam * truncated_chain(Q_CHAIN, 2)) < 1e-6
+    tokens = np.array([s.tokens for s in seqs])
+    prevs = np.concatenate([np.zeros((len(seqs), 1), dtype=int), tokens[:, :-1]], axis=1)
+    mass = np.array([0.9, 0.9, 0.75])  # Q_S of each state's top 2
+    lam_t = np.array([s.lam for s in seqs])
+    np.testing.assert_allclose(lam_t, lam * mass[prevs], rtol=1e-12)
+    np.testing.assert_allclose(
+        np.array([s.target_tv for s in seqs]), lam * (1 - mass[prevs]), rtol=1e-12
+    )
+    behavior = mixture_log_probs(torch.tensor([s.draft_log_probs for s in seqs], dtype=D),
+                                 torch.tensor([s.target_log_probs for s in seqs], dtype=D),
+                                 None, torch.from_numpy(lam_t))  # fmt: skip
+    np.testing.assert_allclose(
+        behavior.numpy(), np.log(target.numpy()[prevs, tokens]), rtol=0, atol=1e-12
+    )

@@ -557,16 +557,22 @@ def test_tokens_do_not_depend_on_how_the_prompts_are_split(guided, models, mode)
         assert whole.batch["offpolicy_mask"].any()  # the guidance did write tokens
 
 
-@pytest.mark.parametrize("k", [5, 30])
-def test_partial_lists_are_exact_for_the_truncated_target_and_every_sequence_finishes(models, k):
+@pytest.mark.parametrize(
+    ("k", "target"), [(5, "renormalize"), (30, "renormalize"), (5, "draft_tail")]
+)
+def test_partial_lists_are_exact_for_the_truncated_target_and_every_sequence_finishes(
+    models, k, target
+):
     """K < V: the guidance lists its top-K (S), the draft its own top-K. 12 prompts x 4 samples,
     8 tokens each (EOS ignored), λ = 0.5, three overlapped groups: every sequence reaches its 8
     tokens, the draft engine looked up p on S at rejected positions its top-K missed, and the
-    behavior of every token is log t = log((1-λ)p + λq̃), q̃ = q·1_S/q(S), from HF forwards."""
+    behavior of every token is log t from HF forwards: t = (1-λ)p + λq̃, q̃ = q·1_S/q(S)
+    (renormalize), or t = (1 - λq(S))p + λq·1_S (draft_tail); target_tv is λ(1 - q(S)) for both
+    (exact for the first, the bound for the second)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(models[0])
-    cfg = rollout_config(models[1], vocab=k, pipeline_groups=3)
+    cfg = rollout_config(models[1], vocab=k, pipeline_groups=3, topk_target=target)
     rollout = VLLMRollout(models[0], cfg, tok.eos_token_id, tok.pad_token_id)
     texts = [f"{a}+{b}=" for a, b in zip(range(10, 22), range(40, 52), strict=True)]
     try:
@@ -584,9 +590,12 @@ def test_partial_lists_are_exact_for_the_truncated_target_and_every_sequence_fin
             p, q = (torch.softmax(m(ids).logits[0, -9:-1].double(), -1) for m in hf)
         in_s = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, q.topk(k, -1).indices, True)
         mass = (q * in_s).sum(-1, keepdim=True)
-        target = 0.5 * p + 0.5 * q * in_s / mass
+        if target == "renormalize":
+            t = 0.5 * p + 0.5 * q * in_s / mass
+        else:
+            t = (1 - 0.5 * mass) * p + 0.5 * q * in_s
         tv.append(0.5 * (1 - mass))
-        torch.testing.assert_close(b["behavior_log_probs"][i, :8].double(), target.gather(-1, toks).log().squeeze(-1),
+        torch.testing.assert_close(b["behavior_log_probs"][i, :8].double(), t.gather(-1, toks).log().squeeze(-1),
                                    rtol=0, atol=1e-4)  # fmt: skip
         torch.testing.assert_close(b["rollout_log_probs"][i, :8].double(), p.gather(-1, toks).log().squeeze(-1),
                                    rtol=0, atol=1e-4)  # fmt: skip

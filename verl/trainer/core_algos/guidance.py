@@ -159,6 +159,28 @@ def guidance_tensors(
     }
 
 
+TargetFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+TOPK_TARGETS: Registry[TargetFn] = Registry("top-K target")
+"""What the speculative rollout samples where the guidance is known only on its listed set S
+(mass Q_S): each rule maps λ_t (N,) and Q_S (N,) to the λ'_t (N,) of t = (1-λ'_t)·p + λ'_t·q̃, so
+the same verify step, residual and μ serve every rule (μ uses the λ'_t recorded per token)."""
+
+
+@TOPK_TARGETS.register("renormalize")
+def target_renormalize(lam: np.ndarray, mass: np.ndarray) -> np.ndarray:
+    """t = (1-λ)·p + λ·q̃, q̃ = q·1_S/Q_S: the guidance renormalised over S takes all of λ.
+    TV(t, q_λ) = λ·(1 - Q_S) exactly. lam, mass (N,) -> (N,)."""
+    return lam
+
+
+@TOPK_TARGETS.register("draft_tail")
+def target_draft_tail(lam: np.ndarray, mass: np.ndarray) -> np.ndarray:
+    """t = (1 - λQ_S)·p + λ·q·1_S = (1-λ')·p + λ'·q̃ with λ' = λ·Q_S: the unlisted mass goes to the
+    draft. TV(t, q_λ) ≤ λ·(1 - Q_S) (computable only with q off S: logged as that bound), and
+    acceptance ≥ 1 - λ·Q_S. lam, mass (N,) -> (N,). Same algebra as arXiv:2211.17192."""
+    return lam * np.clip(mass, 0.0, 1.0)
+
+
 ScheduleFn = Callable[[float, float, float], float]
 LAM_SCHEDULES: Registry[ScheduleFn] = Registry("lam schedule")
 

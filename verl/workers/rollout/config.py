@@ -6,7 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from verl.trainer.core_algos.guidance import BEHAVIORS, GUIDANCE_MODES, LAM_GATES, LAM_SCHEDULES
+from verl.trainer.core_algos.guidance import (
+    BEHAVIORS,
+    GUIDANCE_MODES,
+    LAM_GATES,
+    LAM_SCHEDULES,
+    TOPK_TARGETS,
+)
 from verl.trainer.core_algos.guide_when import GUIDE_WHEN, PREFIX_DRAWS
 from verl.utils.config_checks import check_choice, check_fields, check_range, fail
 from verl.workers.rollout.multi_turn.config import MultiTurnConfig
@@ -65,6 +71,8 @@ class OffPolicyGuidanceConfig:
     """Guidance engine without torch.compile/CUDA graphs (None: the rollout's `enforce_eager`)."""
     logprobs: int = 20
     """Top-K log-probs per position (K): the guidance's listed set S, over which the sampled target renormalises q (μ exact either way; the vocabulary size makes the target q_λ itself)."""
+    topk_target: str = "renormalize"
+    """Speculative mode, what is sampled where q is known on S only (TOPK_TARGETS): renormalize (t = (1-λ)p + λq̃) or draft_tail (t = (1-λQ_S)p + λq·1_S, the unlisted mass to the draft); μ exact either way."""
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
     """Sampling fields that differ for the guidance: temperature, top_k, top_p (GUIDANCE_SAMPLING_FIELDS)."""
     mode: str = "speculative"
@@ -155,6 +163,7 @@ class OffPolicyGuidanceConfig:
             fail(f"{prefix}.lam_gate", self.lam_gate,
                  f"applies to mode=speculative only (mode={self.mode!r}); set it to none")  # fmt: skip
         check_choice(f"{prefix}.guide_when", self.guide_when, GUIDE_WHEN.names())
+        check_choice(f"{prefix}.topk_target", self.topk_target, TOPK_TARGETS.names())
         check_choice(f"{prefix}.prefix_schedule", self.prefix_schedule, LAM_SCHEDULES.names())
         check_choice(f"{prefix}.prefix_draw", self.prefix_draw, PREFIX_DRAWS.names())
         check_range(f"{prefix}.prefix_fraction", self.prefix_fraction, 0.0, 1.0)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from verl.trainer.core_algos.guidance import TOPK_TARGETS
 from verl.trainer.core_algos.guide_when import prefix_lam
 from verl.workers.rollout.log_prob_tables import ListedRows, TopK, listed_entropy
 from verl.workers.rollout.speculative_verify import (
@@ -89,7 +90,9 @@ class SpeculativeBatch:
     position (`listed_entropy` of its row; `gate` maps (N,) entropies to factors in [0, 1]):
     `lam_scale` 0 makes a sequence draft-only (exactly p), `gate` None means 1; a teacher prefix
     `prefix[sequence]` = j sets λ_t = 1 at its response positions t < j (`prefix_lam`; None: no
-    prefix), so the guidance writes those tokens and the draft continues after.
+    prefix), so the guidance writes those tokens and the draft continues after. `target` (a
+    `TOPK_TARGETS` name) turns λ_t into the λ'_t of the sampled target from the guidance row's
+    listed mass Q_S (renormalize: λ' = λ; draft_tail: λ' = λ·Q_S), recorded per token.
     `max_new_tokens`: one limit for all, or one per prompt. `stop(row, tokens) -> n | None`: after
     each round, whether sequence `row`'s response `tokens` ended at n tokens (n at most
     len(tokens), past those it had before the round); the rest of the round is dropped and the
@@ -111,9 +114,10 @@ class SpeculativeBatch:
         gate: Callable[[np.ndarray], np.ndarray] | None = None,
         stop: Callable[[int, list[int]], int | None] | None = None,
         prefix: list[int] | np.ndarray | None = None,
+        target: str = "renormalize",
     ) -> None:
         self.prompts, self.lam, self.generator, self.bonus = prompts, lam, generator, bonus
-        self.gate, self.stop = gate, stop
+        self.gate, self.stop, self.target = gate, stop, target
         self.prefix = (
             np.zeros(len(prompts), dtype=np.int64)
             if prefix is None
@@ -176,8 +180,15 @@ class SpeculativeBatch:
         entropy = _row_entropy(draft_tables, num_proposed)  # (N,) H_t at each proposal
         lam = self._lam(entropy, seq, pos)
         if isinstance(draft_tables, ListedRows) and isinstance(guidance_tables, ListedRows):
-            result = verify_listed(num_proposed, draft_tables, guidance_tables, lam, uniforms, at)
+            lam, tv_lam = self._on_target(lam, guidance_tables, len(seq))
+            result = verify_listed(
+                num_proposed, draft_tables, guidance_tables, lam, uniforms, at, tv_lam
+            )
         else:
+            if self.target != "renormalize":
+                raise ValueError(
+                    f"target {self.target!r} needs the engines' flat rows (ListedRows)"
+                )
             if not isinstance(lam, float):  # λ_t per position, (B, k)
                 lam = torch.from_numpy(_scatter(lam, seq, pos, proposals.shape))
             result = verify_proposals(proposals, num_proposed, draft_tables, guidance_tables,
@@ -220,6 +231,16 @@ class SpeculativeBatch:
             return float(self.lam)
         gate = np.ones(len(rows)) if self.gate is None else self.gate(entropy)
         return prefix_lam(self.lam * scale * gate, positions, self.prefix[seqs])
+
+    def _on_target(
+        self, lam: float | np.ndarray, guidance: ListedRows, rows: int
+    ) -> tuple[float | np.ndarray, np.ndarray | None]:
+        """(λ'_t, the λ its distance bound reads) of `rows` flat rows under `target` (the float λ
+        and None when the target leaves λ as it is)."""
+        if self.target == "renormalize":
+            return lam, None
+        lam = np.broadcast_to(np.asarray(lam, dtype=np.float64), (rows,))
+        return TOPK_TARGETS.get(self.target)(lam, guidance.topk_mass()), lam
 
     def _probe_at(self, proposals: torch.Tensor, probe: Callable | None) -> DraftProbe | None:
         """`probe` as a `DraftProbe` of this round: round rows and proposal counts to prefixes."""
@@ -264,8 +285,10 @@ class SpeculativeBatch:
         n = num.numpy()
         lookahead = bonus.draft.take(at)
         entropy = lookahead.entropy()
-        drawn = draw_bonus(lookahead, bonus.guidance.take(rows), self._lam(entropy, rows, n[rows]), u[rows],
-                           None if probe is None else lambda i, t: probe(rows[i], n[rows[i]], t))  # fmt: skip
+        guidance = bonus.guidance.take(rows)
+        lam, tv_lam = self._on_target(self._lam(entropy, rows, n[rows]), guidance, len(rows))
+        drawn = draw_bonus(lookahead, guidance, lam, u[rows],
+                           None if probe is None else lambda i, t: probe(rows[i], n[rows[i]], t), tv_lam)  # fmt: skip
         drawn["entropy"] = entropy
         names = ("tokens", "offpolicy", "log_p", "log_q", "log_t", "tv", "lam", "entropy")
         return {

@@ -122,6 +122,7 @@ def run_rounds(
     batches = [SpeculativeBatch([prompts[i] for i in g], lam, guidance.num_speculative_tokens, [limits[i] for i in g],
                                 eos, [gens[i] for i in g], ids=[ids[i] for i in g], bonus=guidance.bonus_token,
                                 lam_scale=scale[g].tolist(), gate=gate, prefix=None if prefix is None else prefix[g],
+                                target=guidance.topk_target,
                                 stop=None if stop is None else (lambda r, tokens, g=g: stop(int(g[r]), tokens)))
                for g in groups]  # fmt: skip
     seed_of = dict(zip(ids, seeds[:, 0].tolist(), strict=True))

@@ -149,6 +149,7 @@ def verify_listed(
     lam: float | np.ndarray,
     uniforms: torch.Tensor,
     probe: DraftProbe | None = None,
+    tv_lam: np.ndarray | None = None,
 ) -> VerifyResult:
     """Accept / reject the engines' flat rows so each emitted token follows the round's target
     t = (1-λ)·p + λ·q̃ exactly, q̃ = q renormalised over the guidance's listed set S:
@@ -163,6 +164,8 @@ def verify_listed(
     an unknown p raises. Every per-row operation is O(K) memory. `lam`: a float, or λ_t per
     flat row (N,) (a function of what is known at that position before its token is drawn, e.g.
     the draft's row: the target stays known; the residual does not depend on λ_t > 0).
+    `tv_lam` (N,): the λ the reported distance λ·(1 - Q_S) uses (None: `lam`; a `TOPK_TARGETS`
+    rule that rescales λ reports its bound against the unscaled λ).
     num_proposed (B,), uniforms (B, k+1) (column i tests proposal i, the last draws the
     residual); returns a `VerifyResult` with (B, k) tensors, k = uniforms.shape[1] - 1.
     Paper: https://arxiv.org/abs/2211.17192 (speculative sampling, exact for any target).
@@ -193,7 +196,7 @@ def verify_listed(
     at_seq, at_pos = seq[kept], pos[kept]
     tokens = np.full((batch, k), -1, dtype=np.int64)
     tokens[at_seq, at_pos] = proposals[kept]
-    tv = lam * np.clip(1.0 - np.exp(log_mass), 0.0, None)
+    tv = (lam if tv_lam is None else tv_lam) * np.clip(1.0 - np.exp(log_mass), 0.0, None)
     per_row = {"log_p": log_p_x, "log_q": log_q_x, "log_t": log_t_x, "tv": tv, "lam": lam}
     out = {name: np.zeros((batch, k)) for name in per_row}  # (B, k) per emitted token
     for name, values in per_row.items():
@@ -287,6 +290,7 @@ def draw_bonus(
     lam: float | np.ndarray,
     uniforms: np.ndarray,
     probe: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+    tv_lam: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """The token past a fully accepted round, from the target t = (1-λ)p + λq̃ by its components:
     if u < λ a draw y ~ q̃ (q renormalised over the guidance row's top-K set S; inverse CDF in
@@ -294,7 +298,8 @@ def draw_bonus(
     draft's lookahead x ~ p (column 0).
 
     Rows (R, K+1) as in `ListedRows`, uniforms (R,), `lam` a float or λ_t per row (R,); returns
-    (R,) arrays by name: tokens, offpolicy, log_p, log_q, log_t (log q̃), tv (λ·(1 - Q_S)), lam. A y the draft's row does not give
+    (R,) arrays by name: tokens, offpolicy, log_p, log_q, log_t (log q̃), tv (λ·(1 - Q_S), λ from
+    `tv_lam` when given), lam. A y the draft's row does not give
     gets its log p from `probe(row indices (R',), tokens (R', 1))`; without a probe it raises.
     log q of a lookahead x outside S is -inf where the guidance row lists its whole support and
     NaN where it does not (not reported; its q̃ is exactly 0 either way).
@@ -321,7 +326,8 @@ def draw_bonus(
     in_s = guidance.in_topk(tokens)
     log_q = guidance.lookup_one(tokens, unknown=np.nan)
     return {"tokens": tokens, "offpolicy": from_q, "log_p": log_p, "log_q": log_q,
-            "log_t": np.where(in_s, log_q - log_mass, NEG_INF), "tv": lam * np.clip(1.0 - np.exp(log_mass), 0.0, None),
+            "log_t": np.where(in_s, log_q - log_mass, NEG_INF),
+            "tv": (lam if tv_lam is None else tv_lam) * np.clip(1.0 - np.exp(log_mass), 0.0, None),
             "lam": lam.copy()}  # fmt: skip
 
 
