@@ -215,4 +215,6 @@ def test_all_fail_share_hand_values():
     # rows succeeding with 0.5 and 0.0, groups of 2: (0.5² + 1²) / 2 = (0.25 + 1) / 2 = 0.625
     assert all_fail_share(torch.tensor([0.5, 0.0]), 2) == pytest.approx(0.625, abs=1e-12)
     # a 3 % row, groups of 8: 0.97^8 = 0.783743...
-    assert all_fail_share(torch.tensor([0.03], dtype=torch.float64), 8) == pytest.approx(0.97**8, abs=1e-12)
+    assert all_fail_share(torch.tensor([0.03], dtype=torch.float64), 8) == pytest.approx(
+        0.97**8, abs=1e-12
+    )
