@@ -291,7 +291,9 @@ def plain_hf(model, data, cfg):
 def ray_session():
     import ray
 
-    ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False
+    )
     try:
         yield
     finally:

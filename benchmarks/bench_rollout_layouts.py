@@ -77,7 +77,7 @@ def main() -> None:
     spec = dict(vocab_size=100, num_hidden_layers=2)
     draft = save_tiny_lm(f"{root}/draft", TinyLMSpec(hidden_size=128, seed=1, **spec))
     guide = save_tiny_lm(f"{root}/guidance", TinyLMSpec(hidden_size=256, seed=2, **spec))
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = []
     try:
         for drafts, services in (*LAYOUTS, (1, 0), (2, 0)):

@@ -436,7 +436,7 @@ def test_pickle_round_trip():
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -13,6 +13,28 @@ from test_e2e_training import assert_trained, overrides
 pytestmark = pytest.mark.e2e
 
 
+def test_without_ray_address_a_run_starts_its_own_ray_beside_a_running_one(monkeypatch):
+    """A local Ray cluster already runs (another job's, or a test's) and RAY_ADDRESS is unset:
+    `start_ray` starts a Ray of its own instead of joining that one (which fails: a joined
+    cluster refuses `num_cpus`)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from verl.trainer.config import load_config
+    from verl.trainer.main import start_ray
+
+    assert not ray.is_initialized()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    other = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        start_ray(load_config())
+        assert ray.get_runtime_context().gcs_address != other.address
+        assert ray.cluster_resources()["CPU"] >= 2  # its own CPU count, not the other's 1
+    finally:
+        ray.shutdown()
+        other.shutdown()
+
+
 @pytest.fixture(scope="module")
 def two_nodes():
     """A two-node Ray cluster on this machine that this process has joined, shared by the module's

@@ -30,7 +30,13 @@ def test_bf16_travels_as_its_int16_bits():
 
 
 def test_ray_readers_map_the_bucket_instead_of_copying_it():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    ray.init(
+        address="local",
+        num_cpus=1,
+        include_dashboard=False,
+        log_to_driver=False,
+        ignore_reinit_error=True,
+    )
     try:
         ref = ray.put(to_shared({"w": torch.ones(256, 1024)}))  # 1 MiB: stored in shared memory
         ((array, _),) = ray.get(ref).values()

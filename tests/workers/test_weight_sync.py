@@ -52,7 +52,7 @@ def test_streamed_sync_reaches_both_replicas_with_two_buckets_of_memory(tmp_path
     # A fixed mmap threshold makes glibc hand every freed tensor of 1 MiB or more back at once, so
     # that a worker's resident memory measures what it holds (with the default, adaptive threshold
     # freed buckets linger in the heap and the peak depends on allocation history).
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
              runtime_env={"env_vars": {"MALLOC_MMAP_THRESHOLD_": str(MiB)}})  # fmt: skip
     actor = rollout = None
     try:

@@ -274,7 +274,9 @@ def val_reward_config(reward: RewardConfig) -> RewardConfig:
 
 
 def start_ray(config: PPOConfig) -> None:
-    """Join `RAY_ADDRESS` when set, else start a local Ray with enough logical CPUs."""
+    """Join `RAY_ADDRESS` when set, else start a local Ray with enough logical CPUs: a new one
+    even where another local Ray runs (`address="local"`; Ray would otherwise join that one and
+    refuse the CPU count)."""
     import ray
 
     if ray.is_initialized():
@@ -291,7 +293,7 @@ def start_ray(config: PPOConfig) -> None:
     quiet = bool(os.environ.get(WORKER_LOG_ENV))  # the workers write to files (`make demo`)
     if quiet:
         env["env_vars"][WORKER_LOG_ENV] = os.environ[WORKER_LOG_ENV]
-    ray.init(num_cpus=max(os.cpu_count() or 1, workers + 1), include_dashboard=False,
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, workers + 1), include_dashboard=False,
              runtime_env=env, log_to_driver=not quiet,
              logging_level=logging.ERROR if quiet else logging.INFO)  # fmt: skip
 

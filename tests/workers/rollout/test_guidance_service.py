@@ -85,7 +85,13 @@ def test_a_killed_guidance_service_is_restarted_once_then_given_up_on(
     tok = AutoTokenizer.from_pretrained(draft)
     config = dataclasses.replace(rollout_config(guide), response_length=24, n=4)
     batch = prompt_batch(tok, PROMPTS, n=4, temperature=1.0, global_step=1, lam=0.5, ignore_eos=True)  # fmt: skip
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        ignore_reinit_error=True,
+    )
     group = None
     try:
         group = RolloutGroup(1, draft, config, **rollout_gpus(1, 1))

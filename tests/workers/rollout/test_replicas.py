@@ -72,7 +72,7 @@ def test_two_ray_replicas_give_the_tokens_of_one(tmp_path, rollout_gpus):
     tok = AutoTokenizer.from_pretrained(draft)
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False)
     outs = {}
     try:
         for replicas, services in ((1, 1), (2, 2), (2, 1)):
