@@ -147,16 +147,7 @@ def gated_chain(lam: float, tau: float) -> torch.Tensor:
 
 def chain_pvalue(seqs, chain: torch.Tensor, length: int) -> float:
     """Chi-square p-value of `length`-token sequences from state 0 against `chain`."""
-    counts = np.zeros(V**length)
-    for s in seqs:
-        counts[int(np.ravel_multi_index(s.tokens, (V,) * length))] += 1
-    probs = np.ones(V**length)
-    for index in range(V**length):
-        prev = 0
-        for tok in np.unravel_index(index, (V,) * length):
-            probs[index] *= chain[prev, tok].item()
-            prev = tok
-    return chi2_counts_pvalue(torch.from_numpy(counts), torch.from_numpy(probs))
+    return positional_pvalue(seqs, [chain] * length)
 
 
 @pytest.mark.parametrize(("lam", "tau", "k"), [(1.0, 2.0, 2), (0.8, 1.0, 1)])
