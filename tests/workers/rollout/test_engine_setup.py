@@ -301,6 +301,26 @@ def test_build_llm_pins_the_runner_applies_the_patch_checks_and_restricts(monkey
                       "checked", ("rows", 128)]  # fmt: skip
     assert facts == {"runner": "R", "kv_cache_bytes": 7, "vocab_rows": 128}
     assert ENGINE_KEY in kwargs  # the caller's arguments are left as they were
+    events.clear()  # an eager engine: the sampler's ranks are made eager before it is built
+    monkeypatch.setattr(vllm_engine, "eager_sampler_ranks", lambda: events.append("eager ranks"))
+    vllm_engine.build_llm({"model": "m", "enforce_eager": True})
+    assert events[:3] == ["patched", "eager ranks", ("built", "0", ["enforce_eager", "model"])]
+
+
+def test_eager_sampler_ranks_are_the_compiled_helpers_function(monkeypatch):
+    """The rank counter vLLM's sampler calls becomes the plain function its compiled helper
+    wraps: no compile, the same counts."""
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs
+
+    monkeypatch.setattr(sampler, "batched_count_greater_than", logprobs.batched_count_greater_than)
+    vllm_engine.eager_sampler_ranks()
+    plain = sampler.batched_count_greater_than
+    assert plain is logprobs.batched_count_greater_than.__wrapped__
+    x = torch.tensor([[0.1, -1.0, 0.3, 0.3], [2.0, 1.0, 0.0, -1.0]])
+    # row 0: 0.3, 0.3 are >= 0.3 -> 2; row 1: 2.0, 1.0 are >= 1.0 -> 2; row 1 against 5.0 -> 0
+    assert plain(x, torch.tensor([[0.3], [1.0]])).tolist() == [2, 2]
+    assert plain(x, torch.tensor([[0.3], [5.0]])).tolist() == [2, 0]
 
 
 def test_cpu_has_no_device_lock_to_hold():

@@ -51,7 +51,8 @@ def rollout(model):
     tok = AutoTokenizer.from_pretrained(model)
     cfg = multi_turn_config(n=2, response_length=RESPONSE_LENGTH)
     cfg.validate("worker.rollout")
-    return VLLMRollout(model, cfg, tok.eos_token_id, tok.pad_token_id), tok
+    with VLLMRollout(model, cfg, tok.eos_token_id, tok.pad_token_id) as engine:
+        yield engine, tok
 
 
 def multi_turn_config(n: int, response_length: int) -> RolloutConfig:

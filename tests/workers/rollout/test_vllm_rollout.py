@@ -57,9 +57,10 @@ def guided(models):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(models[0])
-    return VLLMRollout(
+    with VLLMRollout(
         models[0], rollout_config(models[1]), tok.eos_token_id, tok.pad_token_id
-    ), tok
+    ) as rollout:
+        yield rollout, tok
 
 
 def prompt_batch(tok, texts, **meta) -> DataProto:
@@ -198,14 +199,38 @@ def test_draft_only_when_guidance_disabled(models):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(models[0])
-    plain = VLLMRollout(models[0], rollout_config(None), tok.eos_token_id, tok.pad_token_id)
-    out = plain.generate_sequences(prompt_batch(tok, ["5+5="], n=4))
+    with VLLMRollout(models[0], rollout_config(None), tok.eos_token_id, tok.pad_token_id) as plain:
+        out = plain.generate_sequences(prompt_batch(tok, ["5+5="], n=4))
+        short = plain.generate_sequences(
+            prompt_batch(tok, ["5+5="], n=4, max_tokens=3, ignore_eos=True)
+        )
     assert "offpolicy_mask" not in out.batch.keys() and "behavior_log_probs" not in out.batch.keys()
     assert out.batch["rollout_log_probs"].shape == (4, 8)
-    short = plain.generate_sequences(
-        prompt_batch(tok, ["5+5="], n=4, max_tokens=3, ignore_eos=True)
-    )
     assert short.batch["response_mask"].sum(-1).tolist() == [3, 3, 3, 3]  # the override is honoured
+
+
+def test_a_closed_engine_returns_its_memory_and_leaves_the_others_working(guided, models):
+    """Three draft-only engines built and closed in turn beside the shared guided one: this
+    process holds less than one engine's KV cache more afterwards (without `close_llm` each kept
+    its 0.47 GB: vLLM freezes its objects), and the shared engine still generates and syncs."""
+    import psutil
+    from transformers import AutoModelForCausalLM
+
+    rollout, tok = guided
+    me = psutil.Process()
+    rss = []
+    for _ in range(3):
+        with VLLMRollout(
+            models[0], rollout_config(None), tok.eos_token_id, tok.pad_token_id
+        ) as plain:
+            plain.generate_sequences(prompt_batch(tok, ["5+5="], n=4))
+        rss.append(me.memory_info().rss)
+    kv_cache = 0.02 * psutil.virtual_memory().total  # gpu_memory_utilization 0.02 on CPU
+    assert rss[2] - rss[0] < 0.5 * kv_cache, [r / 2**30 for r in rss]
+    base = AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32).state_dict()
+    rollout.sync_weights(base)  # vLLM's process-wide state is still there for the shared engine
+    out = rollout.generate_sequences(prompt_batch(tok, ["1+2="], n=2, lam=0.5))
+    assert out.batch["behavior_log_probs"].shape == (2, 8)
 
 
 def test_tokenizer_mismatch_is_refused_before_any_engine(models, tmp_path):
@@ -270,22 +295,22 @@ def test_weight_sync_makes_vllm_match_the_new_hf_weights(models):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(models[0])
-    plain = VLLMRollout(models[0], rollout_config(None), tok.eos_token_id, tok.pad_token_id)
-    model = AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.2 * torch.randn(param.shape, generator=gen))
-    plain.sync_weights(model.state_dict())
-    out = plain.generate_sequences(prompt_batch(tok, ["12+7="], n=6))
-    b = out.batch
-    for i in range(6):
-        ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
-        n = int(b["response_mask"][i].sum())
+    with VLLMRollout(models[0], rollout_config(None), tok.eos_token_id, tok.pad_token_id) as plain:
+        model = AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32)
+        gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0, -n - 1 : -1], -1)
-        expected = logp.gather(-1, ids[0, -n:].unsqueeze(-1)).squeeze(-1)
-        torch.testing.assert_close(b["rollout_log_probs"][i, :n], expected, rtol=0, atol=1e-4)
+            for param in model.parameters():
+                param.add_(0.2 * torch.randn(param.shape, generator=gen))
+        plain.sync_weights(model.state_dict())
+        out = plain.generate_sequences(prompt_batch(tok, ["12+7="], n=6))
+        b = out.batch
+        for i in range(6):
+            ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
+            n = int(b["response_mask"][i].sum())
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids).logits[0, -n - 1 : -1], -1)
+            expected = logp.gather(-1, ids[0, -n:].unsqueeze(-1)).squeeze(-1)
+            torch.testing.assert_close(b["rollout_log_probs"][i, :n], expected, rtol=0, atol=1e-4)
 
 
 def test_rewinding_sessions_stay_exact_over_many_rounds_and_score_only_new_tokens(models):
@@ -294,26 +319,28 @@ def test_rewinding_sessions_stay_exact_over_many_rounds_and_score_only_new_token
     tok = AutoTokenizer.from_pretrained(models[0])
     cfg = rollout_config(models[1], num_speculative_tokens=4)
     cfg.kv_block_size, cfg.prompt_length, cfg.response_length = 32, 16, 24
-    rollout = VLLMRollout(models[0], cfg, tok.eos_token_id, tok.pad_token_id)
-    text = "0123456789+12345"  # 16 tokens: the sequences cross a KV block boundary mid-response
-    out = rollout.generate_sequences(prompt_batch(tok, [text], n=8, lam=0.5, ignore_eos=True))
-    meta, emitted = out.meta_info, out.meta_info["emitted_tokens"]
-    assert emitted == 8 * 24 and meta["rounds"] >= 6
-    # a sequence's first round computes its prompt (16) and proposals; every later round its
-    # proposals plus the one token before them, never the prefix again. So in total:
-    # 8 * 16 + proposed <= computed <= 8 * 16 + proposed + 8 * (rounds - 1)
-    base = 8 * 16 + meta["proposed_tokens"]
-    assert base <= meta["guidance_tokens_computed"] <= base + 8 * (meta["rounds"] - 1)
-    assert meta["guidance_tokens_computed"] < meta["guidance_tokens_submitted"] / 3
-    b = out.batch
-    hf = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32) for p in models]
-    for i in range(8):
-        ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
-        with torch.no_grad():
-            p, q = (torch.softmax(m(ids).logits[0, -25:-1].double(), -1) for m in hf)
-        exact = (0.5 * p + 0.5 * q).log().gather(-1, ids[0, -24:].unsqueeze(-1)).squeeze(-1)
-        torch.testing.assert_close(b["behavior_log_probs"][i].double(), exact, rtol=0, atol=1e-3)
-    assert emitted == 8 * 24
+    with VLLMRollout(models[0], cfg, tok.eos_token_id, tok.pad_token_id) as rollout:
+        text = "0123456789+12345"  # 16 tokens: the sequences cross a KV block boundary mid-response
+        out = rollout.generate_sequences(prompt_batch(tok, [text], n=8, lam=0.5, ignore_eos=True))
+        meta, emitted = out.meta_info, out.meta_info["emitted_tokens"]
+        assert emitted == 8 * 24 and meta["rounds"] >= 6
+        # a sequence's first round computes its prompt (16) and proposals; every later round its
+        # proposals plus the one token before them, never the prefix again. So in total:
+        # 8 * 16 + proposed <= computed <= 8 * 16 + proposed + 8 * (rounds - 1)
+        base = 8 * 16 + meta["proposed_tokens"]
+        assert base <= meta["guidance_tokens_computed"] <= base + 8 * (meta["rounds"] - 1)
+        assert meta["guidance_tokens_computed"] < meta["guidance_tokens_submitted"] / 3
+        b = out.batch
+        hf = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32) for p in models]
+        for i in range(8):
+            ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
+            with torch.no_grad():
+                p, q = (torch.softmax(m(ids).logits[0, -25:-1].double(), -1) for m in hf)
+            exact = (0.5 * p + 0.5 * q).log().gather(-1, ids[0, -24:].unsqueeze(-1)).squeeze(-1)
+            torch.testing.assert_close(
+                b["behavior_log_probs"][i].double(), exact, rtol=0, atol=1e-3
+            )
+        assert emitted == 8 * 24
 
 
 # ------------------------------------------------------------------ top-k / top-p, two model pairs

@@ -20,7 +20,13 @@ import torch
 from verl.workers.rollout.config import RolloutConfig
 from verl.workers.rollout.engine_config import check_same_tokenizer, engine_args, sleeps
 from verl.workers.rollout.guidance_server import GuidanceChannel, GuidanceClient, GuidanceProcess
-from verl.workers.rollout.vllm_engine import build_llm, device_lock, is_sleeping, reload_weights
+from verl.workers.rollout.vllm_engine import (
+    build_llm,
+    close_llm,
+    device_lock,
+    is_sleeping,
+    reload_weights,
+)
 from verl.workers.rollout.vllm_logging import drop_harmless_vllm_records
 from verl.workers.rollout.vllm_sessions import SessionEngine
 
@@ -139,11 +145,21 @@ class EngineLifecycle:
             self.engines.guidance.shutdown()
         self.engines.guidance = GuidanceClient(address, authkey, name)
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def shutdown(self) -> None:
-        """Stop the guidance engine's process, or close the connection to the service (the draft
-        engine goes with this object)."""
+        """Stop the guidance engine's process, or close the connection to the service, and shut
+        the draft engine down so that its memory is freed now (`close_llm`); the rollout is
+        unusable afterwards."""
         if self.engines.guidance is not None:
             self.engines.guidance.shutdown()
+        if self.engines.draft is not None:
+            draft, self.engines.draft, self.draft_sessions = self.engines.draft, None, None
+            close_llm(draft)
 
     def sync_weights(
         self,

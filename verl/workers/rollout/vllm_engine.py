@@ -21,8 +21,10 @@ processes (vLLM #36753).
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import tempfile
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -60,6 +62,18 @@ def pin_v1_model_runner() -> None:
             "changes vLLM's V1 model runner; unset it or set it to 0"
         )
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+
+def eager_sampler_ranks() -> None:
+    """For engines built with `enforce_eager`: vLLM's sampler counts each logprob token's rank with
+    a torch.compile'd helper (`batched_count_greater_than`), compiled by inductor on an engine
+    process's first log-probs (3 s on 2 CPU cores, every engine process). Replaced by the function
+    it wraps, plain torch: the same integers, no compile, as `enforce_eager` promises. The sampler
+    module is shared, so this holds for every engine of the process built afterwards."""
+    from vllm.v1.sample import sampler
+
+    compiled = sampler.batched_count_greater_than
+    sampler.batched_count_greater_than = getattr(compiled, "__wrapped__", compiled)
 
 
 def weight_bytes(model: str, dtype: str) -> int:
@@ -134,9 +148,12 @@ def build_llm(kwargs: dict):
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     pin_v1_model_runner()
     vllm_session_rewind.apply()
+    if kwargs.get("enforce_eager"):
+        eager_sampler_ranks()
     from vllm import LLM
 
     llm = LLM(**kwargs)
+    _LIVE.add(llm)
     runner = vllm_session_rewind.check_engine(llm)
     rows = extra.get("vocab_rows")
     if rows is not None:
@@ -146,6 +163,28 @@ def build_llm(kwargs: dict):
     print(f"vLLM engine of {kwargs['model']} built: model runner class {runner}, KV cache "
           f"{facts['kv_cache_bytes']} bytes, vocab rows {rows or 'all'}", flush=True)  # fmt: skip
     return llm, facts
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+"""The in-process engines `build_llm` built and `close_llm` has not closed."""
+
+
+def close_llm(llm) -> None:
+    """Shut an in-process engine down so that its memory is returned: vLLM freezes what it
+    allocates at start-up (`gc.freeze`), so dropping the last reference to the `vllm.LLM` leaves
+    its weights and KV cache allocated for the life of the process (0.5 GB per tiny engine on CPU
+    at a 0.02 share). The last engine of the process gets its engine core's whole shutdown, which
+    also tears down vLLM's process-wide distributed state; while another one still runs here, only
+    its worker is shut down and its objects unfrozen (that state is shared: destroying it breaks
+    the other engine's next call). The caller then drops its references. Closing twice is a no-op."""
+    _LIVE.discard(llm)
+    client = llm.llm_engine.engine_core
+    if not len(_LIVE):
+        client.shutdown()
+    elif client._finalizer.detach() is not None:  # (the finalizer would run the whole shutdown)
+        client.engine_core.model_executor.shutdown()
+    gc.unfreeze()
+    gc.collect()
 
 
 def reload_weights(
