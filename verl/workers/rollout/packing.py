@@ -6,6 +6,7 @@ packed into EasyR1's layout (prompts left-padded to `prompt_length`, responses r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
@@ -21,6 +22,20 @@ def unpad_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list
     return [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask, strict=True)]
 
 
+def padded(lists: list, width: int, fill, dtype, left: bool = False) -> torch.Tensor:
+    """Lists of values as (len(lists), width) rows, left-aligned with `fill` after them (right-
+    aligned with `left`): one numpy scatter of the concatenated values, not a tensor per row."""
+    lengths = np.fromiter((len(x) for x in lists), dtype=np.int64, count=len(lists))
+    out = np.full((len(lists), width), fill, dtype=dtype)
+    total = int(lengths.sum())
+    if total:
+        flat = np.fromiter(chain.from_iterable(lists), dtype=dtype, count=total)
+        rows = np.repeat(np.arange(len(lists)), lengths)
+        cols = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        out[rows, cols + (np.repeat(width - lengths, lengths) if left else 0)] = flat
+    return torch.from_numpy(out)
+
+
 def _padded_rows(
     prompts: list[list[int]],
     seqs: list[GuidedSequence],
@@ -31,35 +46,24 @@ def _padded_rows(
 ) -> dict[str, torch.Tensor]:
     """Per-sequence lists as padded tensors: prompts (B, P) left-padded, and per response token
     (B, T): ids, mask, log p (floored), log q, log q̃, λ_t, the draft's entropy, off-policy."""
-    b = len(seqs)
-    rows = {
-        "prompts": torch.full((b, p_len), pad, dtype=torch.long),
-        "prompt_mask": torch.zeros(b, p_len, dtype=torch.long),
-        "responses": torch.full((b, r_len), pad, dtype=torch.long),
-        "response_mask": torch.zeros(b, r_len, dtype=torch.long),
-        "draft_lp": torch.zeros(b, r_len),
-        "guide_lp": torch.zeros(b, r_len),  # -inf: q = 0 after processing; NaN: not reported
-        "target_lp": torch.zeros(b, r_len),  # log q̃ of the sampled target (speculative rounds)
-        "lam_t": torch.full((b, r_len), lam, dtype=torch.float64),  # λ_t (speculative rounds)
-        "entropy": torch.full((b, r_len), float("nan")),  # the draft's H_t (speculative rounds)
-        "off": torch.zeros(b, r_len, dtype=torch.bool),
-    }
-    for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
-        rows["prompts"][i, p_len - len(p) :] = torch.tensor(p)
-        rows["prompt_mask"][i, p_len - len(p) :] = 1
-        n = len(s.tokens)
-        rows["responses"][i, :n] = torch.tensor(s.tokens)
-        rows["response_mask"][i, :n] = 1
-        rows["draft_lp"][i, :n] = torch.tensor(s.draft_log_probs).clamp(min=LOG_PROB_FLOOR)
-        rows["guide_lp"][i, :n] = torch.tensor(s.guidance_log_probs)
-        rows["target_lp"][i, :n] = torch.tensor(
-            s.target_log_probs if s.target_log_probs else s.guidance_log_probs
-        )
-        rows["off"][i, :n] = torch.tensor(s.offpolicy)
-        if s.lam:
-            rows["lam_t"][i, :n] = torch.tensor(s.lam, dtype=torch.float64)
-            rows["entropy"][i, :n] = torch.tensor(s.draft_entropy)
-    return rows
+    f32 = np.float32
+    p_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    r_lengths = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long)
+    return {
+        "prompts": padded(prompts, p_len, pad, np.int64, left=True),
+        "prompt_mask": (torch.arange(p_len) >= p_len - p_lengths[:, None]).long(),
+        "responses": padded([s.tokens for s in seqs], r_len, pad, np.int64),
+        "response_mask": (torch.arange(r_len) < r_lengths[:, None]).long(),
+        "draft_lp": padded([s.draft_log_probs for s in seqs], r_len, 0.0, f32).clamp(min=LOG_PROB_FLOOR),
+        # -inf: q = 0 after processing; NaN: not reported
+        "guide_lp": padded([s.guidance_log_probs for s in seqs], r_len, 0.0, f32),
+        # log q̃ of the sampled target (speculative rounds; else log q)
+        "target_lp": padded([s.target_log_probs or s.guidance_log_probs for s in seqs], r_len, 0.0, f32),
+        # λ_t and the draft's H_t (speculative rounds; else the call's λ, NaN)
+        "lam_t": padded([s.lam for s in seqs], r_len, lam, np.float64),
+        "entropy": padded([s.draft_entropy if s.lam else [] for s in seqs], r_len, np.nan, f32),
+        "off": padded([s.offpolicy for s in seqs], r_len, False, np.bool_),
+    }  # fmt: skip
 
 
 def to_dataproto(
