@@ -2,6 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# pytest-xdist workers of `make test` and the tiers (tests/conftest.py groups the tests by file);
+# PYTEST_WORKERS=0 runs in one process
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 # `make demo ARGS="trainer.max_steps=5 ..."`: key=value overrides for the demo's config. A bare
 # key=value on make's command line is a make variable, never passed on: `demo` refuses a dotted one.
 ARGS ?=
@@ -20,16 +24,16 @@ demo: env
 
 test: env
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-unit: env
-	$(PY) -m pytest -q -m "not vllm and not e2e and not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not vllm and not e2e and not gpu" $(PYTEST_ARGS)
 
 test-vllm: env
-	$(PY) -m pytest -q -m vllm $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m vllm $(PYTEST_ARGS)
 
 test-e2e: env
-	$(PY) -m pytest -q -m e2e $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m e2e $(PYTEST_ARGS)
 
 # On a CUDA machine: the FSDP actor alone, the gpu test tier, a colocated 2-step guided run (MODEL_PATH, GUIDANCE_PATH)
 # and the rollout benchmark, in one report (outputs/gpu_check/report.md; verl/tools/gpu_check.py).

@@ -46,7 +46,7 @@ EXTRAS_REQUIRE = {
     # Same vLLM release (and torch) as the CPU build. flash-attn compiles from source on many
     # machines; scripts/setup_env.sh installs it best-effort (sdpa is the default attention).
     "gpu": ["vllm==0.32.0", "flash-attn"],
-    "dev": ["pytest>=8", "pytest-timeout", "ruff>=0.6", "scipy"],
+    "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "ruff>=0.6", "scipy"],
 }
 
 setup(

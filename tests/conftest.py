@@ -7,8 +7,41 @@ import math
 import pytest
 import torch
 
+# `make test` runs the suite on 2 pytest-xdist workers. A test file is one unit of work
+# (`FileGroups`), so a module's engines and runs are built once, on one worker. The files below
+# start several engine processes or a Ray cluster of their own at a time: they make one unit, so
+# never two of them run at once (two at once went past the 23.5 GiB of a CI machine).
+HEAVY = ("tests/trainer/test_two_nodes.py", "tests/workers/rollout/test_replicas.py",
+         "tests/trainer/test_real_training.py", "tests/workers/test_weight_sync.py")  # fmt: skip
+# The longest units go first so that neither worker is left with one at the end (from
+# `--durations=0`); the rest keep their collection order.
+FIRST = ("tests/trainer/test_e2e_training.py", "heavy", "tests/workers/rollout/test_vllm_rollout.py",
+         "tests/workers/rollout/test_real_rollout.py")  # fmt: skip
+
+
+def test_unit(nodeid: str) -> str:
+    """The unit of work of a test: "heavy" for the files in HEAVY, else its file."""
+    path = nodeid.split("::")[0]
+    return "heavy" if path in HEAVY else path
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`-n N` (`--dist load`, the default, or loadfile): whole units per worker. (xdist's own
+    `loadgroup` renames node ids, which pytest 9 no longer reads, so it schedules test by test.)"""
+    if config.getvalue("dist") not in ("load", "loadfile", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return test_unit(nodeid)
+
+    return FileGroups(config, log)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {unit: i for i, unit in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(test_unit(item.nodeid), len(FIRST)))  # stable
     if torch.cuda.is_available():
         return
     no_cuda = pytest.mark.skip(reason="needs CUDA (gpu tier)")
