@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from verl.protocol import DataProto
+from verl.trainer.core_algos.guidance import TOPK_TARGETS
 from verl.utils.real_model import CHAT_PROMPTS
 from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
 from verl.workers.rollout.config import OffPolicyGuidanceConfig, RolloutConfig
@@ -204,6 +205,7 @@ def timed(
     groups: int = 1,
     bonus: bool = True,
     scoring: str = "overlap",
+    target: str = "renormalize",
 ) -> tuple[float, DataProto]:
     if engine.engines.guidance is None:  # the threads each setting has in a process of its own
         torch._C.set_num_threads(DEFAULT_THREADS)
@@ -212,6 +214,7 @@ def timed(
         engine.config.offpolicy_guidance.pipeline_groups = groups
         engine.config.offpolicy_guidance.bonus_token = bonus
         engine.config.offpolicy_guidance.teacher_scoring = scoring
+        engine.config.offpolicy_guidance.topk_target = target
     before = rss_kb()
     reset = peak_rss_reset()
     LOOKUP_S[0] = 0.0
@@ -257,6 +260,11 @@ def main() -> None:
         help="on: also time the teacher-only rollout (λ = 0), overlap and prefill",
     )
     parser.add_argument(
+        "--target",
+        default="renormalize",
+        help="offpolicy_guidance.topk_target values, comma-separated: renormalize, draft_tail",
+    )
+    parser.add_argument(
         "--eager",
         default="on",
         help="enforce_eager: on (both engines), off (both compiled: torch.compile, cached after "
@@ -270,6 +278,9 @@ def main() -> None:
     bad = [e for e in args.eager.split(",") if e not in EAGER_TAGS]
     if bad:
         parser.error(f"--eager {bad[0]!r}: valid values are {', '.join(EAGER_TAGS)}")
+    bad = [t for t in args.target.split(",") if t not in TOPK_TARGETS]
+    if bad:
+        parser.error(f"--target {bad[0]!r}: valid values are {', '.join(TOPK_TARGETS.names())}")
     with tempfile.TemporaryDirectory(prefix="bench_guided_") as root:  # the tiny pair's files
         measure(args, root)
 
@@ -324,6 +335,7 @@ def measure(args: argparse.Namespace, root: str) -> None:
         width = None
     ks, groups = [int(k) for k in args.k.split(",")], [int(g) for g in args.groups.split(",")]
     bonus = [b == "on" for b in args.bonus.split(",")]
+    targets = args.target.split(",")
     if args.real or len(top_ks) > 1:
         time_draft_lookups()
     runs, baselines = (
@@ -340,18 +352,23 @@ def measure(args: argparse.Namespace, root: str) -> None:
                 1,
                 False,
                 "",
+                "renormalize",
             )
         for top_k, k in ((top_k, k) for top_k in top_ks for k in ks):
             # one engine pair per (K, k); groups and bonus are read at every call
             engine = rollout(draft, guide, args, k, tok, eager, top_k, width)
             ktag = f" {logprobs_tag(top_k, vocab)}" if len(top_ks) > 1 else ""
-            for g, b in ((g, b) for g in groups for b in bonus):
-                name = f"guided k={k} g={g}" + ("" if b else " no-bonus") + tag + ktag
-                runs[name], baselines[name], top_k_of[name] = (engine, g, b, ""), base, top_k
+            for g, b, t in ((g, b, t) for g in groups for b in bonus for t in targets):
+                ttag = f" {t}" if len(targets) > 1 else ""
+                name = f"guided k={k} g={g}" + ("" if b else " no-bonus") + tag + ktag + ttag
+                runs[name], baselines[name], top_k_of[name] = (engine, g, b, "", t), base, top_k
             if args.teacher == "on":  # λ = 0: the guidance only scores, both ways
                 for scoring in ("overlap", "prefill"):
                     name = f"teacher {scoring} k={k}" + tag + ktag
-                    runs[name], baselines[name] = (engine, groups[0], bonus[0], scoring), base
+                    runs[name], baselines[name] = (
+                        (engine, groups[0], bonus[0], scoring, targets[0]),
+                        base,
+                    )
                     top_k_of[name] = top_k
     times: dict[str, list[float]] = {name: [] for name in runs}
     meta = {}
@@ -363,8 +380,10 @@ def measure(args: argparse.Namespace, root: str) -> None:
         if proc is not None:
             peak_rss_reset(proc.pid)
 
-    def call(engine, g, b, scoring):
-        return timed(engine, teacher_batch if scoring else batch, g, b, scoring or "overlap")
+    def call(engine, g, b, scoring, target):
+        return timed(
+            engine, teacher_batch if scoring else batch, g, b, scoring or "overlap", target
+        )
 
     for _ in range(2):  # warm-up: torch.compile'd helpers specialise on the first shapes they see
         for setting in runs.values():
