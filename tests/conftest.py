@@ -76,3 +76,14 @@ def real_pair():
     from verl.utils.real_model import build_pair
 
     return build_pair()
+
+
+@pytest.fixture(scope="module")
+def real_hf(real_pair):
+    """(tokenizer, HF draft, HF guidance) of the real pair, float32, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real_pair.draft)
+    hf = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
+          for p in (real_pair.draft, real_pair.guidance)]  # fmt: skip
+    return tok, *hf

@@ -37,17 +37,6 @@ QUESTIONS = ["What is the value of k07? Look it up.", "Find the value stored und
 TOOL_TURN = "<|im_end|>\n<|im_start|>tool\n{}<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.fixture(scope="module")
-def models(real_pair):
-    """(tokenizer, HF draft, HF guidance) of the real pair, float32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(real_pair.draft)
-    hf = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
-          for p in (real_pair.draft, real_pair.guidance)]  # fmt: skip
-    return tok, *hf
-
-
 def chat_prompts(tok) -> list[str]:
     fmt, tools = get_format("embedded"), load_tools(["lookup"], "worker.rollout.multi_turn.tools")
     system = fmt.instructions([t.schema() for t in tools.values()])
@@ -57,9 +46,9 @@ def chat_prompts(tok) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def episodes(real_pair, models):
+def episodes(real_pair, real_hf):
     """4 chat prompts x 2 guided episodes of at most 3 turns and 48 response tokens."""
-    tok = models[0]
+    tok = real_hf[0]
     cfg = multi_turn_config(n=2, response_length=RESPONSE_LENGTH)
     cfg.prompt_length, cfg.multi_turn.chat_template = 80, True
     g = cfg.offpolicy_guidance
@@ -85,12 +74,12 @@ def kept(b: dict, i: int) -> tuple[torch.Tensor, int]:
     return b["input_ids"][i][keep], int(keep[: b["prompts"].shape[1]].sum())
 
 
-def test_tool_turns_are_chatml_tool_messages_between_policy_turns(episodes, models):
+def test_tool_turns_are_chatml_tool_messages_between_policy_turns(episodes, real_hf):
     """Every tool run decodes to a ChatML tool turn holding the lookup's value (or an error text)
     and follows a policy turn that closed a call with "]"; the packed sequence is the prompt
     followed by the response ids, and the episode ends on a policy turn or a truncation (which may
     cut its last tool turn)."""
-    tok = models[0]
+    tok = real_hf[0]
     b = episodes.batch
     assert int(b["multiturn_num_tool_calls"].sum()) >= 4, "the primed models must call"
     assert int(b["multiturn_num_turns"].max()) >= 2
@@ -139,10 +128,10 @@ def reference(b: dict, draft_hf, guide_hf) -> dict[str, torch.Tensor]:
     return {key: torch.cat(v) for key, v in values.items()}
 
 
-def test_every_policy_token_has_exact_draft_guidance_and_behavior_log_probs(episodes, models):
+def test_every_policy_token_has_exact_draft_guidance_and_behavior_log_probs(episodes, real_hf):
     """Behavior, draft and (where listed) guidance log-probs of every policy token equal HF
     forwards of the whole multi-turn sequence to 1e-4; tool tokens and padding carry none."""
-    _, draft_hf, guide_hf = models
+    _, draft_hf, guide_hf = real_hf
     b = episodes.batch
     policy = b["response_mask"].bool()
     assert b["offpolicy_mask"][policy].any(), "λ = 0.5: some policy tokens are the guidance's"
@@ -161,14 +150,14 @@ def test_every_policy_token_has_exact_draft_guidance_and_behavior_log_probs(epis
 
 
 @pytest.fixture(scope="module")
-def trainer_batch(episodes, models):
+def trainer_batch(episodes, real_hf):
     """The episodes as the actor reads them, with the actor's own log-probs as old_log_probs
     (`DataParallelPPOActor.compute_log_prob`, the trainer's forward), the actor and its model (a
     copy of the draft)."""
     from verl.workers.actor.config import ActorConfig
     from verl.workers.actor.dp_actor import DataParallelPPOActor
 
-    draft_hf = models[1]
+    draft_hf = real_hf[1]
     data = copy.deepcopy(episodes)
     data.meta_info["temperature"] = 1.0
     cfg = ActorConfig(micro_batch_size_per_device_for_experience=8, micro_batch_size_per_device_for_update=8,

@@ -35,17 +35,6 @@ LAM = 0.5
 QUESTIONS = ["What is 7 times 8?", "Name a colour of the sky.", "What is the capital of France?"]
 
 
-@pytest.fixture(scope="module")
-def real(real_pair):
-    """(tokenizer, HF draft, HF guidance) of the real pair."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(real_pair.draft)
-    hf = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
-          for p in (real_pair.draft, real_pair.guidance)]  # fmt: skip
-    return tok, *hf
-
-
 def real_rollout(real_pair, tok, logprobs: int, response_length: int, **guidance) -> VLLMRollout:
     cfg = rollout_config(str(real_pair.guidance), vocab=logprobs, lam=LAM, **guidance)
     cfg.prompt_length, cfg.response_length = 96, response_length
@@ -53,10 +42,10 @@ def real_rollout(real_pair, tok, logprobs: int, response_length: int, **guidance
 
 
 @pytest.fixture(scope="module")
-def shared(real_pair, real):
+def shared(real_pair, real_hf):
     """One guided rollout at K = 20 for the tests of this module that need no other engine
     settings: each sets what it changes (read at every call) and puts it back."""
-    rollout = real_rollout(real_pair, real[0], logprobs=20, response_length=24)
+    rollout = real_rollout(real_pair, real_hf[0], logprobs=20, response_length=24)
     yield rollout
     rollout.shutdown()
 
@@ -164,12 +153,12 @@ def check_exact(out, ref: dict, tok) -> None:
     ("name", "settings"),
     [("T1-default-K", {"temperature": 1.0}), ("T0.8-top_k-top_p", {"temperature": 0.8, "top_k": 50, "top_p": 0.9})],
 )  # fmt: skip
-def test_real_sequences_are_exact_at_the_default_k(shared, real, name, settings):
+def test_real_sequences_are_exact_at_the_default_k(shared, real_hf, name, settings):
     """3 chat prompts x 6 samples, up to 24 tokens, λ = 0.5, K = 20 (the default): behavior,
     draft and guidance log-probs of every token against HF forwards; guidance/* metrics against
     the same reference (behavior_kl, target_tv) to 1e-3; the draft engine looked up p at guidance
     tokens outside its own top-K."""
-    tok, draft_hf, guide_hf = real
+    tok, draft_hf, guide_hf = real_hf
     with configured(shared, top_k=settings.get("top_k", -1), top_p=settings.get("top_p", 1.0)):
         out = shared.generate_sequences(chat_batch(tok, 6, temperature=settings["temperature"]))
     ref = reference(out, draft_hf, guide_hf, 20, settings)
@@ -195,11 +184,11 @@ def test_real_sequences_are_exact_at_the_default_k(shared, real, name, settings)
 
 
 @pytest.mark.parametrize("target", ["renormalize", "draft_tail"])
-def test_real_first_token_follows_the_target(shared, real, target):
+def test_real_first_token_follows_the_target(shared, real_hf, target):
     """1,500 first tokens after a short prompt at T = 1, K = 20: chi-square against the target
     from HF, μ = (1-λ)p + λq̃ (renormalize) or (1 - λQ_S)p + λq·1_S (draft_tail), and every first
     token's behavior log-prob equals log μ."""
-    tok, draft_hf, guide_hf = real
+    tok, draft_hf, guide_hf = real_hf
     prompt = tok("The capital of France is")["input_ids"]
     with configured(shared, topk_target=target):
         out = shared.generate_sequences(prompt_batch(tok, ["The capital of France is"], n=1500,
@@ -221,10 +210,10 @@ def test_real_first_token_follows_the_target(shared, real, target):
     assert out.batch["offpolicy_mask"][:, 0].float().mean() > 0.05
 
 
-def test_real_full_vocabulary_k_runs_and_is_q_lambda(real_pair, real):
+def test_real_full_vocabulary_k_runs_and_is_q_lambda(real_pair, real_hf):
     """K = the vocabulary (49,152 listed log-probs per row): the rollout runs in O(K) memory per
     row, S is the whole vocabulary, so the target is q_λ itself (target_tv ~ 0) and μ = log q_λ."""
-    tok, draft_hf, guide_hf = real
+    tok, draft_hf, guide_hf = real_hf
     vocab = guide_hf.config.vocab_size
     rollout = real_rollout(real_pair, tok, logprobs=vocab, response_length=8)
     try:
@@ -238,7 +227,7 @@ def test_real_full_vocabulary_k_runs_and_is_q_lambda(real_pair, real):
     assert math.isfinite(float(np.mean(ref["mu"].log().numpy())))
 
 
-def test_real_entropy_gate_and_guided_subset_are_exact(shared, real):
+def test_real_entropy_gate_and_guided_subset_are_exact(shared, real_hf):
     """MENTOR's selective guidance on the real pair (T = 1, K = 20, λ = 1, entropy gate τ = 2.5,
     3 of each prompt's 6 responses guided): every token's λ_t is λ·min(1, H_K/τ) with H_K the
     entropy of HF's draft top-20 (`listed_entropy`), 0 on the unguided responses; the behavior,
@@ -246,7 +235,7 @@ def test_real_entropy_gate_and_guided_subset_are_exact(shared, real):
     token; the gate lets the guidance in at some positions and keeps it out at others."""
     from verl.workers.rollout.log_prob_tables import listed_entropy
 
-    tok, draft_hf, guide_hf = real
+    tok, draft_hf, guide_hf = real_hf
     lam, tau, k = 1.0, 2.5, 20
     with configured(shared, lam_gate="entropy", entropy_threshold=tau, guided_samples=3):
         batch = chat_batch(tok, 6, temperature=1.0)
@@ -277,7 +266,7 @@ def test_real_entropy_gate_and_guided_subset_are_exact(shared, real):
     check_exact(out, ref, tok)
 
 
-def test_real_lora_sync_keeps_the_guided_rollout_exact(real_pair, real, shared):
+def test_real_lora_sync_keeps_the_guided_rollout_exact(real_pair, real_hf, shared):
     """The real draft with rank-8 LoRA adapters on q_proj and v_proj (B drawn, so they act):
     the actor's sync (verl/utils/lora.py: the 26 attention blocks, q and v merged; 104 of the
     draft's 236 tensors, 19 % of its 120.4 M weights) into the guided rollout's draft engine
@@ -286,7 +275,7 @@ def test_real_lora_sync_keeps_the_guided_rollout_exact(real_pair, real, shared):
     from verl.utils import lora as L
     from verl.workers.actor.config import LoraConfig
 
-    tok, _, guide_hf = real
+    tok, _, guide_hf = real_hf
     draft = lora_model(
         str(real_pair.draft), LoraConfig(rank=8, alpha=16, target_modules="q_proj,v_proj"), 0.02
     )
@@ -298,7 +287,7 @@ def test_real_lora_sync_keeps_the_guided_rollout_exact(real_pair, real, shared):
         shared.sync_weights((name, merged[name]) for name in sources)
         out = shared.generate_sequences(chat_batch(tok, 2, temperature=1.0, max_tokens=16))
     finally:  # the base weights back: the rollout is shared
-        base = real[1].state_dict()
+        base = real_hf[1].state_dict()
         shared.sync_weights((name, base[name]) for name in sources)
     ref = reference(out, draft, guide_hf, 20, {"temperature": 1.0})
     check_exact(out, ref, tok)
