@@ -5,9 +5,9 @@ Each prompt is the chat template's rendering of a system message (the embedded f
 instructions) and a question, with the assistant turn opened by "[lookup:k0": the models close the
 call with "]" in most samples, the `lookup` tool answers, and its result comes back as a ChatML
 tool turn (`<|im_start|>tool ... <|im_end|>`) before the next assistant turn. Guidance is
-speculative at λ = 0.5 with the default top-20 lists, so μ of a policy token is
-(1-λ)·p + λ·q·1_S/Q_S (S the guidance's top-20 at that position), from HF forwards of the whole
-episode (prompt, turns and tool turns as one context).
+speculative at λ = 0.5 with top-20 lists and the default target (draft_tail), so μ of a policy
+token is (1 - λQ_S)·p + λ·q·1_S (S the guidance's top-20 at that position, Q_S = q(S)), from HF
+forwards of the whole episode (prompt, turns and tool turns as one context).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 sys.path.insert(0, os.path.dirname(__file__))
 from test_multi_turn_rollout import _runs, multi_turn_config, prompt_batch
 from test_real_rollout import ambiguous
+from test_vllm_rollout import topk_target_probs
 
 pytestmark = pytest.mark.vllm
 LAM, K, RESPONSE_LENGTH = 0.5, 20, 48
@@ -120,8 +121,7 @@ def reference(b: dict, draft_hf, guide_hf) -> dict[str, torch.Tensor]:
             ]
         p, q = (torch.softmax(z.double(), -1) for z in logits)
         toks = ids[n_prompt:][policy].unsqueeze(-1)
-        in_s = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, q.topk(K, dim=-1).indices, True)
-        mu = (1 - LAM) * p + LAM * q * in_s / (q * in_s).sum(-1, keepdim=True)
+        mu, _ = topk_target_probs(p, q, K, LAM)
         for key, dist in (("p", p), ("q", q), ("mu", mu)):
             values[key].append(dist.gather(-1, toks).squeeze(-1).log().clamp(min=LOG_PROB_FLOOR))
         values["ambiguous"].append(ambiguous(logits[0], K, {}) | ambiguous(logits[1], K, {}))

@@ -4,8 +4,9 @@ log-prob is the probability of the procedure that sampled it, against HF forward
 
 The reference for a token y at a position: p, q the processed (temperature, top-k, top-p)
 next-token distributions of HF's draft and guidance; S the guidance's top-K set (K =
-`offpolicy_guidance.logprobs`), Q_S = q(S), q̃ = q·1_S / Q_S; μ(y) = (1-λ)·p(y) + λ·q̃(y), and the
-sampled target is TV λ·(1 - Q_S) from q_λ. With K = V, S is the vocabulary and μ = q_λ.
+`offpolicy_guidance.logprobs`), Q_S = q(S); μ(y) = (1 - λQ_S)·p(y) + λ·q(y)·1_S(y) with the default
+target (draft_tail), or (1-λ)·p(y) + λ·q(y)·1_S(y)/Q_S (renormalize); either is at most λ·(1 - Q_S)
+in TV from q_λ (exactly that for renormalize). With K = V, S is the vocabulary and μ = q_λ.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_vllm_rollout import (
+    DEFAULT_TARGET,
     chi2_pvalue,
     lora_model,
     prompt_batch,
     rollout_config,
+    topk_target_probs,
     vllm_processed_probs,
 )
 
@@ -100,11 +103,11 @@ def ambiguous(logits: torch.Tensor, k: int, settings: dict) -> torch.Tensor:
 def reference(
     out, draft_hf, guide_hf, k: int, settings: dict, lam_t: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
-    """Per emitted token (flat, in batch order): HF log p, log q, log μ of the target, the
-    target's TV from q_λ at its position, and whether rounding decides it (`ambiguous`); λ of
-    every token is LAM, or `lam_t` (flat, in the same order)."""
+    """Per emitted token (flat, in batch order): HF p, q, μ of the default target, the target's
+    TV from q_λ at its position (the bound for draft_tail), Q_S, and whether rounding decides it
+    (`ambiguous`); λ of every token is LAM, or `lam_t` (flat, in the same order)."""
     b = out.batch
-    values: dict[str, list] = {"p": [], "q": [], "mu": [], "tv": [], "ambiguous": []}
+    values: dict[str, list] = {"p": [], "q": [], "mu": [], "tv": [], "mass": [], "ambiguous": []}
     lengths = b["response_mask"].sum(-1).long().tolist()
     lams = torch.full((sum(lengths),), LAM, dtype=torch.float64) if lam_t is None else lam_t
     lams = lams.split(lengths)
@@ -117,15 +120,13 @@ def reference(
         values["ambiguous"].append(
             ambiguous(logits[0], k, settings) | ambiguous(logits[1], k, settings)
         )
-        top = q.topk(min(k, q.shape[-1]), dim=-1).indices
-        in_s = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, top, True)
-        mass = (q * in_s).sum(-1, keepdim=True)
         lam = lams[i].unsqueeze(-1).to(p.dtype)
-        target = (1 - lam) * p + lam * q * in_s / mass
+        target, mass = topk_target_probs(p, q, k, lam)
         values["p"].append(p.gather(-1, toks).squeeze(-1))
         values["q"].append(q.gather(-1, toks).squeeze(-1))
         values["mu"].append(target.gather(-1, toks).squeeze(-1))
         values["tv"].append(lam.squeeze(-1) * (1 - mass.squeeze(-1)))
+        values["mass"].append(mass.squeeze(-1))
     return {key: torch.cat(v) for key, v in values.items()}
 
 
@@ -151,10 +152,10 @@ def check_exact(out, ref: dict, tok) -> None:
 
 @pytest.mark.parametrize(
     ("name", "settings"),
-    [("T1-default-K", {"temperature": 1.0}), ("T0.8-top_k-top_p", {"temperature": 0.8, "top_k": 50, "top_p": 0.9})],
+    [("T1", {"temperature": 1.0}), ("T0.8-top_k-top_p", {"temperature": 0.8, "top_k": 50, "top_p": 0.9})],
 )  # fmt: skip
-def test_real_sequences_are_exact_at_the_default_k(shared, real_hf, name, settings):
-    """3 chat prompts x 6 samples, up to 24 tokens, λ = 0.5, K = 20 (the default): behavior,
+def test_real_sequences_are_exact_at_k_20(shared, real_hf, name, settings):
+    """3 chat prompts x 6 samples, up to 24 tokens, λ = 0.5, K = 20, the default target: behavior,
     draft and guidance log-probs of every token against HF forwards; guidance/* metrics against
     the same reference (behavior_kl, target_tv) to 1e-3; the draft engine looked up p at guidance
     tokens outside its own top-K."""
@@ -177,7 +178,7 @@ def test_real_sequences_are_exact_at_the_default_k(shared, real_hf, name, settin
     assert metrics["guidance/behavior_kl_excluded_frac"] == pytest.approx(
         1 - has_p.float().mean().item()
     )
-    if name == "T1-default-K":  # the real model's long tail: the target is not q_λ, and says so
+    if name == "T1":  # the real model's long tail: the target is not q_λ, and says so
         assert meta["target_tv"] > 0.01 and meta["topk_tail_mass"] > 0.02
         # no truncation: p > 0 for every token, guidance-drawn ones outside the draft's top-K too
         assert (b["rollout_log_probs"][valid] > LOG_PROB_FLOOR).all()
@@ -198,12 +199,7 @@ def test_real_first_token_follows_the_target(shared, real_hf, target):
             vllm_processed_probs(m(torch.tensor([prompt])).logits[0, -1])
             for m in (draft_hf, guide_hf)
         )
-    in_s = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, q.topk(20).indices, True)
-    mass = q[in_s].sum()
-    if target == "renormalize":
-        mu = (1 - LAM) * p + LAM * q * in_s / mass
-    else:
-        mu = (1 - LAM * mass) * p + LAM * q * in_s
+    mu, _ = topk_target_probs(p, q, 20, LAM, target)
     first = out.batch["responses"][:, 0]
     assert chi2_pvalue(first, mu) > 1e-3
     torch.testing.assert_close(out.batch["behavior_log_probs"][:, 0].double(), mu[first].log(), rtol=0, atol=1e-4)  # fmt: skip
@@ -259,11 +255,13 @@ def test_real_entropy_gate_and_guided_subset_are_exact(shared, real_hf):
         lam_t.append(lam * float(guided[i]) * (h / tau).clamp(max=1.0))
     lam_t, entropy = torch.cat(lam_t), torch.cat(entropy)
     torch.testing.assert_close(b["draft_entropy"][valid].double(), entropy, rtol=0, atol=1e-4)
-    torch.testing.assert_close(b["guidance_lam"][valid].double(), lam_t, rtol=0, atol=1e-4)
     gated = lam_t[lam_t > 0]
     assert (gated < lam - 1e-6).any() and (gated == lam).any()  # the gate shuts and opens
     ref = reference(out, draft_hf, guide_hf, k, {"temperature": 1.0}, lam_t)
     check_exact(out, ref, tok)
+    # the λ the verify step ran with: draft_tail is the same step at λ' = λ_t·Q_S
+    ran = lam_t * ref["mass"] if DEFAULT_TARGET == "draft_tail" else lam_t
+    torch.testing.assert_close(b["guidance_lam"][valid].double(), ran, rtol=0, atol=1e-4)
 
 
 def test_real_lora_sync_keeps_the_guided_rollout_exact(real_pair, real_hf, shared):

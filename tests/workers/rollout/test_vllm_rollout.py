@@ -52,6 +52,23 @@ def rollout_config(guidance_path: str | None, vocab: int = VOCAB, **guidance) ->
     return cfg
 
 
+DEFAULT_TARGET = RolloutConfig().offpolicy_guidance.topk_target
+
+
+def topk_target_probs(
+    p: torch.Tensor, q: torch.Tensor, k: int, lam, target: str = DEFAULT_TARGET
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled target t over the last axis and Q_S, for S = q's top-k: t = (1-λ)p + λq·1_S/Q_S
+    (renormalize) or t = (1 - λQ_S)p + λq·1_S (draft_tail); λ a float or a (..., 1) tensor."""
+    in_s = torch.zeros_like(q, dtype=torch.bool).scatter_(
+        -1, q.topk(min(k, q.shape[-1]), -1).indices, True
+    )
+    mass = (q * in_s).sum(-1, keepdim=True)
+    if target == "renormalize":
+        return (1 - lam) * p + lam * q * in_s / mass, mass
+    return (1 - lam * mass) * p + lam * q * in_s, mass
+
+
 @pytest.fixture(scope="module")
 def guided(models):
     from transformers import AutoTokenizer
@@ -615,12 +632,7 @@ def test_partial_lists_are_exact_for_the_truncated_target_and_every_sequence_fin
         toks = ids[0, -8:].unsqueeze(-1)
         with torch.no_grad():
             p, q = (torch.softmax(m(ids).logits[0, -9:-1].double(), -1) for m in hf)
-        in_s = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, q.topk(k, -1).indices, True)
-        mass = (q * in_s).sum(-1, keepdim=True)
-        if target == "renormalize":
-            t = 0.5 * p + 0.5 * q * in_s / mass
-        else:
-            t = (1 - 0.5 * mass) * p + 0.5 * q * in_s
+        t, mass = topk_target_probs(p, q, k, 0.5, target)
         tv.append(0.5 * (1 - mass))
         torch.testing.assert_close(b["behavior_log_probs"][i, :8].double(), t.gather(-1, toks).log().squeeze(-1),
                                    rtol=0, atol=1e-4)  # fmt: skip

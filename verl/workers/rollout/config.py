@@ -69,9 +69,9 @@ class OffPolicyGuidanceConfig:
     """Weights/activations dtype of the guidance engine (float32 on CPU)."""
     enforce_eager: bool | None = None
     """Guidance engine without torch.compile/CUDA graphs (None: the rollout's `enforce_eager`)."""
-    logprobs: int = 20
+    logprobs: int = 256
     """Top-K log-probs per position (K): the guidance's listed set S, over which the sampled target renormalises q (μ exact either way; the vocabulary size makes the target q_λ itself)."""
-    topk_target: str = "renormalize"
+    topk_target: str = "draft_tail"
     """Speculative mode, what is sampled where q is known on S only (TOPK_TARGETS): renormalize (t = (1-λ)p + λq̃) or draft_tail (t = (1-λQ_S)p + λq·1_S, the unlisted mass to the draft); μ exact either way."""
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
     """Sampling fields that differ for the guidance: temperature, top_k, top_p (GUIDANCE_SAMPLING_FIELDS)."""
