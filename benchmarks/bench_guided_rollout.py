@@ -130,7 +130,7 @@ def rollout(
     k: int,
     tok,
     eager: str = "on",
-    logprobs: int = 20,
+    logprobs: int = OffPolicyGuidanceConfig.logprobs,
     prompt_length: int | None = None,
 ) -> VLLMRollout:
     share = REAL_MEMORY_SHARE if args.real else 0.03
@@ -205,7 +205,7 @@ def timed(
     groups: int = 1,
     bonus: bool = True,
     scoring: str = "overlap",
-    target: str = "renormalize",
+    target: str = OffPolicyGuidanceConfig.topk_target,
 ) -> tuple[float, DataProto]:
     if engine.engines.guidance is None:  # the threads each setting has in a process of its own
         torch._C.set_num_threads(DEFAULT_THREADS)
@@ -245,8 +245,9 @@ def main() -> None:
     parser.add_argument(
         "--k", default=None, help="num_speculative_tokens values, comma-separated: 4,6 (--real: 4)"
     )
-    parser.add_argument("--logprobs", default="20",
-                        help="top-K log-probs per position: comma-separated, `full` = the vocabulary size")  # fmt: skip
+    parser.add_argument("--logprobs", default=str(OffPolicyGuidanceConfig.logprobs),
+                        help="top-K log-probs per position: comma-separated, `full` = the vocabulary size "
+                             "(default: the config's)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=None, help="15 (--real: 5)")
     parser.add_argument("--dtype", default="float32", help="both engines' dtype (e.g. bfloat16)")
     parser.add_argument("--groups", default=str(OffPolicyGuidanceConfig.pipeline_groups),
@@ -261,8 +262,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--target",
-        default="renormalize",
-        help="offpolicy_guidance.topk_target values, comma-separated: renormalize, draft_tail",
+        default=OffPolicyGuidanceConfig.topk_target,
+        help="offpolicy_guidance.topk_target values, comma-separated: renormalize, draft_tail "
+        "(default: the config's)",
     )
     parser.add_argument(
         "--eager",
