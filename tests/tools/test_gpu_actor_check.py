@@ -13,13 +13,18 @@ from verl.tools import gpu_actor_check as G
 from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
 
 
-def test_runs_the_worker_in_process_and_reports(tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_runs_the_worker_in_process_and_reports(tmp_path, lora_rank):
+    """The whole check on a tiny model, without and with LoRA adapters (rank 4, every linear
+    layer: they start at B = 0, so the float32 worker equals the plain forward either way, the
+    step moves the adapters and the reference, adapters off, stays where it was)."""
     model = save_tiny_lm(
         str(tmp_path / "tiny"), TinyLMSpec(hidden_size=64, num_hidden_layers=2, seed=5)
     )
     out = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, "-m", "verl.tools.gpu_actor_check", "--model", model,
-                           "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=G.ROOT)  # fmt: skip
+                           "--out", str(out), "--lora-rank", str(lora_rank)],
+                          capture_output=True, text=True, timeout=600, cwd=G.ROOT)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().endswith("gpu-actor-check: 1 model(s) on cpu, 0 failure(s)")
     (report,) = json.loads(out.read_text())["models"]
@@ -27,9 +32,10 @@ def test_runs_the_worker_in_process_and_reports(tmp_path):
     assert report["sequences"] == len(G.PROMPTS) * G.SAMPLES and report["response_tokens"] > 0
     for dtype in ("float32", "bfloat16"):  # both float32 on CPU: the packed worker = plain HF
         row = report[dtype]
-        for key in ("log_probs", "entropy", "sum_pi_squared", "ref_log_probs"):
+        for key in ("log_probs", "entropy", "sum_pi_squared", "ref_log_probs", "ref_after_step"):
             assert row[key]["max"] < G.FP32_ATOL, (dtype, key, row[key])
         assert row["surrogate_gain"] > 0 and row["mean_abs_shift"] > 0
+    assert report["lora_rank"] == lora_rank
     # the plain bfloat16 cast is measurably off float32 (what the GPU's bound scales with)
     assert report["plain_bf16"]["log_probs"]["mean"] > 10 * report["float32"]["log_probs"]["mean"]
     assert report["step_shift_cosine_bf16_vs_fp32"] > 0.9
@@ -40,6 +46,7 @@ def test_runs_the_worker_in_process_and_reports(tmp_path):
     [
         (["--model", "/no/such/model"], "gpu-actor-check: --model /no/such/model is neither"),
         (["--gguf", "/no/file.gguf"], "gpu-actor-check: --gguf /no/file.gguf is not a file"),
+        (["--lora-rank", "-1"], "gpu-actor-check: --lora-rank -1 is not valid"),
     ],
 )
 def test_bad_paths_are_refused_in_one_line(args, start, capsys):

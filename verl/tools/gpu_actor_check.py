@@ -14,7 +14,12 @@ embedded draft under `.cache/embedded/draft`, built by `make demo`):
    must stay near that of a plain forward of the model cast to bfloat16 (`BF16_MEAN_FACTOR`);
 4. both workers take one PPO step on the same batch and random advantages A: finite metrics, and
    the step must raise the surrogate Σ_t A_t log π_t (log π after minus before, both by the
-   worker); the two precisions' steps are compared by the cosine of their Δ log π.
+   worker); the two precisions' steps are compared by the cosine of their Δ log π; the
+   reference's log π after the step must still equal the plain forward's in float32.
+
+`--lora-rank R`: the same with LoRA adapters (PEFT, rank R, every linear layer) on the actor; they
+start at B = 0, so the checks of 2-3 hold as without, the step trains the adapters only and the
+reference is the model with its adapters off (which the last check of 4 tests).
 
 Prints one line per measurement and a JSON report (`--out`); exit 0 when every check passed.
 On a machine without CUDA it runs the same on CPU (gloo; mixed precision applies on GPU only), which
@@ -22,6 +27,7 @@ is how the test suite checks it.
 
     python -m verl.tools.gpu_actor_check [--model DIR|HUB_ID ...] [--out report.json]
     python -m verl.tools.gpu_actor_check --gguf SmolLM2-135M-Instruct.Q4_1.gguf  # the real draft
+    python -m verl.tools.gpu_actor_check --lora-rank 8                           # LoRA on the actor
 
 Run on an H100 (torch 2.11, CUDA 13.0, no flash-attn: sdpa) for the embedded draft and SmolLM2's
 draft: benchmarks/results/gpu_actor_check_h100.json, summarised in benchmarks/README.md.
@@ -124,8 +130,9 @@ def reference_stats(model, data: DataProto, device: str) -> dict[str, torch.Tens
     return out
 
 
-def worker(model_path: str, mp_param_dtype: str, port: int):
-    """An 'actor_ref' `FSDPWorker` at world size 1 in this process, its model built."""
+def worker(model_path: str, mp_param_dtype: str, port: int, lora_rank: int = 0):
+    """An 'actor_ref' `FSDPWorker` at world size 1 in this process, its model built (with LoRA
+    adapters of rank `lora_rank` on every linear layer when > 0)."""
     from verl.workers.fsdp_workers import FSDPWorker
 
     cfg = WorkerConfig()
@@ -133,6 +140,7 @@ def worker(model_path: str, mp_param_dtype: str, port: int):
     actor.model.model_path = model_path
     actor.fsdp.mp_param_dtype = mp_param_dtype
     actor.calculate_sum_pi_squared = True
+    actor.model.lora.rank = lora_rank
     actor.global_batch_size = len(PROMPTS) * SAMPLES
     actor.micro_batch_size_per_device_for_update = 4
     actor.micro_batch_size_per_device_for_experience = 8
@@ -151,7 +159,7 @@ def errors(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor) -> dict[st
     return {"max": float(diff.max()), "mean": float(diff.mean())}
 
 
-def check_model(model_path: str, device: str, port: int) -> dict:
+def check_model(model_path: str, device: str, port: int, lora_rank: int = 0) -> dict:
     """Every measurement of one model (module docstring); `failures` lists the checks that failed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -162,14 +170,14 @@ def check_model(model_path: str, device: str, port: int) -> dict:
     mask = data.batch["response_mask"].bool()
     plain = reference_stats(model.to(torch.bfloat16), data, device)
     del model
-    report = {"model": model_path, "device": device, "sequences": len(data),
+    report = {"model": model_path, "device": device, "lora_rank": lora_rank, "sequences": len(data),
               "response_tokens": int(mask.sum()), "failures": [],
               "plain_bf16": {k: errors(plain[k], ref[k], mask) for k in ref}}  # fmt: skip
     gen = torch.Generator().manual_seed(SEED + 1)
     advantages = torch.randn(len(data), 1, generator=gen).expand_as(mask) * mask
     shifts = {}
     for dtype in ("float32", "bfloat16"):
-        w = worker(model_path, dtype, port)
+        w = worker(model_path, dtype, port, lora_rank)
         report[dtype], shifts[dtype] = measure_worker(w, data, ref, advantages, device)
         del w
     # the step's effect on the policy, Δ log π per response token, compared across precisions
@@ -207,6 +215,9 @@ def measure_worker(w, data: DataProto, ref: dict, advantages: torch.Tensor, devi
                       for k, v in metrics.items()}  # fmt: skip
     shift = (w.compute_log_prob(data).batch["old_log_probs"] - out["old_log_probs"])[mask]
     row["surrogate_gain"] = float((advantages[mask] * shift).sum())
+    # the reference (a model of its own, or the adapters switched off under LoRA) did not move
+    after = w.compute_ref_log_prob(data).batch["ref_log_probs"]
+    row["ref_after_step"] = errors(after, ref["log_probs"], mask)
     row["mean_abs_shift"] = float(shift.abs().mean())
     row["peak_gib"] = (
         round(torch.cuda.max_memory_allocated() / 2**30, 3) if device == "cuda" else None
@@ -220,8 +231,8 @@ def failures(report: dict) -> list[str]:
     fp32, bf16 = report["float32"], report["bfloat16"]
     if fp32["log_probs"]["max"] >= FP32_ATOL:
         bad.append(f"float32 worker log π off the reference by {fp32['log_probs']['max']:.2e}")
-    for key in ("sum_pi_squared", "entropy", "ref_log_probs"):
-        if fp32[key]["max"] >= FP32_ATOL:
+    for key in ("sum_pi_squared", "entropy", "ref_log_probs", "ref_after_step"):
+        if key in fp32 and fp32[key]["max"] >= FP32_ATOL:
             bad.append(f"float32 worker {key} off the reference by {fp32[key]['max']:.2e}")
     worker, plain = bf16["log_probs"], report["plain_bf16"]["log_probs"]
     if (worker["mean"] > BF16_MEAN_FACTOR * plain["mean"] + 1e-3
@@ -251,7 +262,13 @@ def main(argv: list[str] | None = None) -> int:
                         "GGUF file (verl/utils/real_model.py), into a temporary folder")  # fmt: skip
     parser.add_argument("--gguf-tokenizer", default="", help="the tokenizer folder to use with "
                         "--gguf (when this transformers reads the GGUF's tokenizer otherwise)")  # fmt: skip
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on "
+                        "every linear layer (worker.actor.model.lora.rank; 0: off)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.lora_rank < 0:
+        print(f"gpu-actor-check: --lora-rank {args.lora_rank} is not valid; expected an integer >= 0 "
+              f"(0: LoRA off)", file=sys.stderr)  # fmt: skip
+        return 2
     models = args.model or ([] if args.gguf else [str(DEFAULT_MODEL)])
     if args.gguf and not Path(args.gguf).is_file():
         print(f"gpu-actor-check: --gguf {args.gguf} is not a file; give the SmolLM2 GGUF file "
@@ -276,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         models.append(str(write_draft(Path(args.gguf), folder, args.gguf_tokenizer or None)))
     reports = []
     for model_path in models:
-        report = check_model(model_path, device, port)
+        report = check_model(model_path, device, port, args.lora_rank)
         reports.append(report)
         print(json.dumps(report, indent=None))
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda,
