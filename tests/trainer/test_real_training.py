@@ -92,7 +92,7 @@ def test_two_multi_turn_cli_steps_on_the_real_pair_train_the_draft(real_pair, tm
                 "guidance/target_tv", "guidance/draft_lookup_ratio"):  # fmt: skip
         assert all(key in r for r in steps), f"{key} missing"
     # behavior_kl reads the real KL(μ ‖ p) (0.29 from HF forwards in the run), never the
-    # floor's nonsense (512.6 and 150.3 before), and the target is near q_λ at K = 20
+    # floor's nonsense (512.6 and 150.3 before), and the target is near q_λ at the default K
     assert all(-0.5 < r["guidance/behavior_kl"] < 2.0 for r in steps)  # a k1 estimate: noisy
     assert all(0.0 <= r["guidance/target_tv"] < 0.5 for r in steps)
     assert all(0.0 <= r["guidance/offpolicy_token_ratio"] <= 1.0 for r in steps)
