@@ -711,7 +711,9 @@ def test_teacher_prefix_and_second_stage_on_the_engines(guided, models):
         lam_t = torch.tensor(
             [(1.0 if t < 4 else 0.5) if i % 3 < 2 else 0.0 for t in range(n)], dtype=torch.float64
         )
-        torch.testing.assert_close(b["guidance_lam"][i, :n].double(), lam_t, rtol=0, atol=1e-7)
+        # the λ the step ran with: under the default draft_tail, λ·Q_S, and K = V here, so Q_S
+        # is 1 up to float32 rounding of the listed probabilities (1.2e-7 seen)
+        torch.testing.assert_close(b["guidance_lam"][i, :n].double(), lam_t, rtol=0, atol=1e-6)
         ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
         with torch.no_grad():
             p, q = (torch.softmax(m(ids).logits[0, -n - 1 : -1].double(), -1) for m in models_hf)
