@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location(
-    "bench_guided_rollout", ROOT / "benchmarks" / "bench_guided_rollout.py"
-)
-B = importlib.util.module_from_spec(spec)
-sys.modules["bench_guided_rollout"] = B
-spec.loader.exec_module(B)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_scripts import load
+
+B = load("bench_guided_rollout")
 
 
 def test_logprobs_list_full_and_caps():

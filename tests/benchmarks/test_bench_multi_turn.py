@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location(
-    "bench_multi_turn", ROOT / "benchmarks" / "bench_multi_turn.py"
-)
-B = importlib.util.module_from_spec(spec)
-sys.modules["bench_multi_turn"] = B
-spec.loader.exec_module(B)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_scripts import load
+
+B = load("bench_multi_turn")
 
 
 def test_prefill_counter_records_prompt_and_computed_tokens_per_call():

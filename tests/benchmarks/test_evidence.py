@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("evidence", ROOT / "benchmarks" / "evidence.py")
-E = importlib.util.module_from_spec(spec)
-sys.modules["evidence"] = E  # dataclasses look their module up
-spec.loader.exec_module(E)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_scripts import load
+
+E = load("evidence")
 
 
 def log(accs: dict[int, float], step_s: float, extra: dict | None = None) -> list[dict]:

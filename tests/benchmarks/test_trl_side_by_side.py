@@ -6,20 +6,16 @@ timings and results are hand-made.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location(
-    "trl_side_by_side", ROOT / "benchmarks" / "trl_side_by_side.py"
-)
-T = importlib.util.module_from_spec(spec)
-sys.modules["trl_side_by_side"] = T
-spec.loader.exec_module(T)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_scripts import load
+
+T = load("trl_side_by_side")
 
 
 def ours(steps: int = 3, *extra: str):
