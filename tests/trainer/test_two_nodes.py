@@ -1,14 +1,23 @@
 """Two guided steps on a two-node Ray cluster started on this machine (`ray.cluster_utils`): the
 trainer's placement groups put one FSDP rank and one draft replica on each node, and the guidance
 services either beside the replicas (colocated) or in bundles of their own on each node
-(`offpolicy_guidance.n_gpus_per_node`, dedicated GPUs on a GPU cluster); the run trains."""
+(`offpolicy_guidance.n_gpus_per_node`, dedicated GPUs on a GPU cluster); the run trains. The
+colocated run is MENTOR's recipe, the dedicated one MENTOR's exact recipe, checked as the other
+2-step runs of test_e2e_training.py are."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from test_e2e_training import assert_trained, overrides
+from test_e2e_training import (
+    MENTOR_RUNS,
+    assert_trained,
+    check_mentor,
+    check_run,
+    mentor_overrides,
+    overrides,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -63,8 +72,11 @@ def two_nodes():
         cluster.shutdown()
 
 
-@pytest.mark.parametrize("dedicated", [0, 1], ids=["colocated", "dedicated"])
-def test_two_guided_steps_spread_over_two_nodes(assets, tmp_path, two_nodes, dedicated):
+@pytest.mark.parametrize(("dedicated", "recipe"), [(0, "mentor"), (1, "mentor_exact")],
+                         ids=["colocated+mentor", "dedicated+mentor_exact"])  # fmt: skip
+def test_two_guided_steps_spread_over_two_nodes(assets, tmp_path, two_nodes, dedicated, recipe):
+    """Each placement runs one of MENTOR's recipes (orthogonal to where the workers are), so that
+    both recipes' 2-step runs cost no run of their own."""
     import ray
 
     from verl.trainer.config import load_config
@@ -73,8 +85,8 @@ def test_two_guided_steps_spread_over_two_nodes(assets, tmp_path, two_nodes, ded
 
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2
     run_dir = str(tmp_path / "run")
-    extra = {"trainer": {"nnodes": 2, "n_gpus_per_node": 1, "val_before_train": False},
-             "worker": {"rollout": {"num_replicas": 2, "offpolicy_guidance": {"n_gpus_per_node": dedicated}}}}  # fmt: skip
+    extra = mentor_overrides(recipe, trainer={"nnodes": 2, "n_gpus_per_node": 1, "val_before_train": False},
+                             worker={"rollout": {"num_replicas": 2, "offpolicy_guidance": {"n_gpus_per_node": dedicated}}})  # fmt: skip
     trainer = None
     try:
         prepared = prepare(load_config(overrides=overrides(assets, run_dir, **extra)))
@@ -109,7 +121,6 @@ def test_two_guided_steps_spread_over_two_nodes(assets, tmp_path, two_nodes, ded
         assert [group for _, group in services] == groups["main"]
     with open(f"{run_dir}/experiment_log.jsonl") as f:
         rows = [json.loads(line) for line in f]
-    steps = [r for r in rows if "critic/score/mean" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    assert all(r["guidance/offpolicy_token_ratio"] > 0 for r in steps)
+    steps = check_run(recipe, rows, MENTOR_RUNS[recipe][1])  # steps 1 and 2, every key documented
+    check_mentor(recipe, steps)
     assert_trained(assets, run_dir, rows)

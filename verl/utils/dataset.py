@@ -17,12 +17,15 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from verl.protocol import DataProto
 from verl.utils.embedded import EMBEDDED_SCHEME, load_embedded
+
+if TYPE_CHECKING:  # imported where a batch is made: a dry run never loads tensordict (about 2 s)
+    from verl.protocol import DataProto
 
 DATA_FORMS = (
     "valid: a .jsonl/.json/.parquet file, a dataset folder, embedded://<task>@train|test, or "
@@ -175,6 +178,8 @@ class RLDataset(torch.utils.data.Dataset):
 
 def collate(items, max_prompt_length: int, pad_token_id: int) -> DataProto:
     """Left-pad a list of dataset items into a DataProto (+ ground_truth, raw_prompt, index)."""
+    from verl.protocol import DataProto
+
     ids = torch.full((len(items), max_prompt_length), pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(items), max_prompt_length, dtype=torch.long)
     for i, (tokens, *_) in enumerate(items):

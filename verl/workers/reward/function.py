@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
-from verl.protocol import DataProto
 from verl.utils.registry import Registry
 from verl.utils.user_functions import load_function
 from verl.workers.reward.config import RewardConfig
+
+if TYPE_CHECKING:  # (a dry run validates the reward without tensordict's import, about 2 s)
+    from verl.protocol import DataProto
 
 REWARD_FUNCTIONS = Registry("reward function")
 
