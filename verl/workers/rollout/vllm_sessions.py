@@ -127,18 +127,30 @@ class SessionEngine:
         The session is rewound to `tokens` plus one placeholder token and recomputes its last
         token, whose row is then a prompt row read at `ids` (`vllm_session_rewind.GATHER_KEY`):
         O(M) out per row, whatever the vocabulary. The chunk samples one token after the
-        placeholder, which is ignored; the next chunk rewinds past both.
+        placeholder, which is ignored; the next chunk rewinds past both. After a one-token prefix
+        nothing would be kept (a rewind keeps at least one token): a one-chunk session of its own,
+        closed after, scores that row instead.
         """
         if not requests:
             return np.zeros((0, 0))
-        outs = []
+        outs, scratch = [], []
         for sid, tokens, ids in requests:
-            params = self._rewind_params(sid, 1, len(tokens) - 1)
+            gather = {vllm_session_rewind.PROCESS_KEY: True,
+                      vllm_session_rewind.GATHER_KEY: [int(i) for i in ids]}  # fmt: skip
+            if len(tokens) > 1:
+                params = self._rewind_params(sid, 1, len(tokens) - 1)
+            else:
+                params = copy.copy(self._open[sid])
+                params.max_tokens = 1
+                scratch.append(f"{sid}/lookup")
             params.prompt_logprobs = len(ids)
-            params.extra_args = {**params.extra_args, vllm_session_rewind.PROCESS_KEY: True,
-                                 vllm_session_rewind.GATHER_KEY: [int(i) for i in ids]}  # fmt: skip
-            outs += self._add_one(sid, [*tokens, int(ids[0])], params)
+            params.extra_args = {**(params.extra_args or {}), **gather}
+            if len(tokens) > 1:
+                outs += self._add_one(sid, [*tokens, int(ids[0])], params)
+            else:
+                outs += self.add([(scratch[-1], [*tokens, int(ids[0])], 1, None)], lambda *_: params)  # noqa: B023
         self._wait(outs, [sid for sid, *_ in requests])
+        self.close(scratch)
         rows = [
             o.prompt_logprobs.logprobs[len(t) - 1, 1:].numpy()
             for o, (_, t, _) in zip(outs, requests, strict=True)
