@@ -200,3 +200,13 @@ def test_an_uneven_split_names_the_launcher_variables():
     assert err.splitlines() == [err]
     assert err.startswith("error: data.rollout_batch_size=128 is not valid; ")
     assert "launcher: trainer.n_gpus_per_node = N_GPUS - GUIDANCE_GPUS = 8 - 2" in err
+
+
+def test_a_dry_run_never_imports_tensordict():
+    """The command line's module and what a dry run reads (config, data, reward) leave tensordict
+    (and with it torch._dynamo, about 2 s of every launcher's dry run) to the workers."""
+    code = "import sys, verl.trainer.main; print(sorted(m for m in ('tensordict', 'verl.protocol') if m in sys.modules))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
