@@ -186,22 +186,30 @@ def test_real_sequences_are_exact_at_k_20(shared, real_hf, name, settings):
 
 @pytest.mark.parametrize("target", ["renormalize", "draft_tail"])
 def test_real_first_token_follows_the_target(shared, real_hf, target):
-    """1,500 first tokens after a short prompt at T = 1, K = 20: chi-square against the target
+    """1,500 first tokens after a two-token prompt at T = 1, K = 20: chi-square against the target
     from HF, μ = (1-λ)p + λq̃ (renormalize) or (1 - λQ_S)p + λq·1_S (draft_tail), and every first
-    token's behavior log-prob equals log μ."""
+    token's behavior log-prob equals log μ. The prompt leaves q 43 % of its mass outside its top-20
+    (Q_S = 0.572), so the two targets differ: the same test against the other target has power
+    0.9995 (noncentrality 94 on 23 cells at α = 1e-3) and rejects it. (After "The capital of France
+    is", Q_S = 0.93 and that power was 0.002: the test could not tell the targets apart.)"""
     tok, draft_hf, guide_hf = real_hf
-    prompt = tok("The capital of France is")["input_ids"]
+    prompt = tok("Paris is")["input_ids"]
     with configured(shared, topk_target=target):
-        out = shared.generate_sequences(prompt_batch(tok, ["The capital of France is"], n=1500,
-                                                     lam=LAM, temperature=1.0, max_tokens=1))  # fmt: skip
+        out = shared.generate_sequences(prompt_batch(tok, ["Paris is"], n=1500, lam=LAM,
+                                                     temperature=1.0, max_tokens=1))  # fmt: skip
     with torch.no_grad():
         p, q = (
             vllm_processed_probs(m(torch.tensor([prompt])).logits[0, -1])
             for m in (draft_hf, guide_hf)
         )
-    mu, _ = topk_target_probs(p, q, 20, LAM, target)
+    mu, mass = topk_target_probs(p, q, 20, LAM, target)
+    other, _ = topk_target_probs(
+        p, q, 20, LAM, {"renormalize": "draft_tail"}.get(target, "renormalize")
+    )
+    assert len(prompt) == 2 and mass.item() == pytest.approx(0.572, abs=0.01)
     first = out.batch["responses"][:, 0]
     assert chi2_pvalue(first, mu) > 1e-3
+    assert chi2_pvalue(first, other) < 1e-3
     torch.testing.assert_close(out.batch["behavior_log_probs"][:, 0].double(), mu[first].log(), rtol=0, atol=1e-4)  # fmt: skip
     assert out.batch["offpolicy_mask"][:, 0].float().mean() > 0.05
 
