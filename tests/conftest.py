@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
+
+# Every Ray a test starts (`ray.init`, `Cluster`, a CLI run's) prestarts no idle workers: an actor
+# never reuses one, so each would only cost its start-up (`verl.trainer.main.start_ray` does the same).
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 # `make test` runs the suite on 2 pytest-xdist workers. A test file is one unit of work
 # (`FileGroups`), so a module's engines and runs are built once, on one worker. The files below
@@ -13,13 +18,19 @@ import torch
 # never two of them run at once (two at once went past the 23.5 GiB of a CI machine).
 HEAVY = ("tests/trainer/test_two_nodes.py", "tests/workers/rollout/test_replicas.py",
          "tests/trainer/test_real_training.py", "tests/workers/test_weight_sync.py")  # fmt: skip
-# The longest units go first so that neither worker is left with one at the end (from
-# `--durations=0`); the rest keep their collection order.
-FIRST = ("tests/trainer/test_e2e_training.py", "heavy", "tests/workers/rollout/test_vllm_rollout.py",
-         "tests/workers/rollout/test_real_rollout.py")  # fmt: skip
+# The longest units go first, longest first (from `--durations=0`), so that neither worker is
+# left with a long one at the end while the other idles (xdist never moves a unit once queued);
+# the rest keep their collection order.
+FIRST = ("heavy", "tests/trainer/test_e2e_training.py", "tests/workers/rollout/test_vllm_rollout.py",
+         "tests/workers/rollout/test_real_rollout.py", "tests/workers/test_fsdp_workers.py",
+         "tests/workers/rollout/test_multi_turn_real.py", "tests/test_launchers.py",
+         "tests/trainer/test_multi_turn_e2e.py", "tests/workers/rollout/test_guidance_service.py",
+         "tests/workers/rollout/test_guidance_server.py", "tests/workers/rollout/test_speculative.py",
+         "tests/workers/rollout/test_padded_vocab.py", "tests/trainer/test_stale_weights.py",
+         "tests/utils/test_real_model.py", "tests/workers/rollout/test_multi_turn_guided.py")  # fmt: skip
 
 
-def test_unit(nodeid: str) -> str:
+def work_unit(nodeid: str) -> str:
     """The unit of work of a test: "heavy" for the files in HEAVY, else its file."""
     path = nodeid.split("::")[0]
     return "heavy" if path in HEAVY else path
@@ -34,14 +45,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     class FileGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return test_unit(nodeid)
+            return work_unit(nodeid)
 
     return FileGroups(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {unit: i for i, unit in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(test_unit(item.nodeid), len(FIRST)))  # stable
+    items.sort(key=lambda item: rank.get(work_unit(item.nodeid), len(FIRST)))  # stable
     if torch.cuda.is_available():
         return
     no_cuda = pytest.mark.skip(reason="needs CUDA (gpu tier)")
