@@ -45,10 +45,12 @@ def test_merged_meta_sums_counts_and_recomputes_rates_by_hand():
 
 @pytest.mark.e2e
 def test_two_ray_replicas_give_the_tokens_of_one(tmp_path, rollout_gpus):
-    """`RolloutGroup` with 1 draft replica + 1 guidance service, 2 + 2, and 2 drafts sharing 1
-    guidance service: identical tokens and masks, log-probs equal to float rounding, in
-    speculative mode and with the draft alone (guidance off for the call, as validation). Mix
-    mode's split is checked on one engine in test_vllm_rollout.py (the same per-replica code)."""
+    """`RolloutGroup` with 2 draft replicas + 2 guidance services, and 2 drafts sharing 1
+    guidance service, against one engine (the first replica of the 2 + 2 group given the whole
+    batch, as a group of one gives it): identical tokens and masks, log-probs equal to float
+    rounding, in speculative mode and with the draft alone (guidance off for the call, as
+    validation). Mix mode's split is checked on one engine in test_vllm_rollout.py (the same
+    per-replica code)."""
     import dataclasses
 
     import ray
@@ -75,7 +77,7 @@ def test_two_ray_replicas_give_the_tokens_of_one(tmp_path, rollout_gpus):
         ray.init(address="local", num_cpus=4, include_dashboard=False)
     outs = {}
     try:
-        for replicas, services in ((1, 1), (2, 2), (2, 1)):
+        for replicas, services in ((2, 2), (2, 1)):
             config = rollout_config(guide)
             config.offpolicy_guidance = dataclasses.replace(
                 config.offpolicy_guidance, num_replicas=services
@@ -86,6 +88,10 @@ def test_two_ray_replicas_give_the_tokens_of_one(tmp_path, rollout_gpus):
                 for mode, meta in (("spec", {"lam": 0.5}), ("off", {"guidance": False})):
                     batch = prompt_batch(tok, PROMPTS, n=3, temperature=1.0, global_step=1, **meta)
                     outs[replicas, services, mode] = group.generate_sequences(batch)
+                    if services == 2:  # one engine: what a group of one replica does with it
+                        one = ray.get(group.replicas[0].generate_sequences.remote(batch))
+                        one.meta_info = merge_rollout_meta([one.meta_info])
+                        outs[1, 1, mode] = one
             finally:
                 group.shutdown()
     finally:
