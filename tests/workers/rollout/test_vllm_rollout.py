@@ -402,14 +402,17 @@ def vllm_processed_probs(logits: torch.Tensor, temperature=1.0, top_k=-1, top_p=
     those whose cumulative sum stays <= 1 - top_p, never the largest."""
     z = logits.double() / temperature
     if top_k > 0:
-        kth = z.sort(-1, descending=True).values[..., top_k - 1 : top_k]
+        kth = z.topk(top_k, -1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))
     probs = torch.softmax(z, -1)
-    if top_p < 1.0:
-        ascending, order = probs.sort(-1)
+    if top_p < 1.0:  # (sorting only the support: the zeros before it add 0 to every cumsum)
+        support = int((probs > 0).sum(-1).max())
+        descending, order = probs.topk(support, -1)
+        ascending, order = descending.flip(-1), order.flip(-1)
         drop = ascending.cumsum(-1) <= 1 - top_p
         drop[..., -1] = False
-        probs = probs.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), 0.0)
+        dropped = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, drop)
+        probs = probs.masked_fill(dropped, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
