@@ -16,8 +16,11 @@ endif
 
 .PHONY: env demo test test-unit test-vllm test-e2e gpu-check lint format bench evidence clean
 
+# The repository's own bytecode too: where PYTHONDONTWRITEBYTECODE is set (these machines), every
+# worker process, CLI run and test process would otherwise compile verl/ again (about 1 s each).
 env:
 	@bash scripts/setup_env.sh
+	@$(PY) -m compileall -q -j 0 verl patches tests benchmarks >/dev/null
 
 demo: env
 	@$(PY) -m verl.trainer.demo $(ARGS)
