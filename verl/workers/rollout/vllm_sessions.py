@@ -135,20 +135,9 @@ class SessionEngine:
             return np.zeros((0, 0))
         outs, scratch = [], []
         for sid, tokens, ids in requests:
-            gather = {vllm_session_rewind.PROCESS_KEY: True,
-                      vllm_session_rewind.GATHER_KEY: [int(i) for i in ids]}  # fmt: skip
-            if len(tokens) > 1:
-                params = self._rewind_params(sid, 1, len(tokens) - 1)
-            else:
-                params = copy.copy(self._open[sid])
-                params.max_tokens = 1
-                scratch.append(f"{sid}/lookup")
-            params.prompt_logprobs = len(ids)
-            params.extra_args = {**(params.extra_args or {}), **gather}
-            if len(tokens) > 1:
-                outs += self._add_one(sid, [*tokens, int(ids[0])], params)
-            else:
-                outs += self.add([(scratch[-1], [*tokens, int(ids[0])], 1, None)], lambda *_: params)  # noqa: B023
+            out, opened = self._lookup_chunk(sid, tokens, ids)
+            outs.append(out)
+            scratch += opened
         self._wait(outs, [sid for sid, *_ in requests])
         self.close(scratch)
         rows = [
@@ -156,6 +145,22 @@ class SessionEngine:
             for o, (_, t, _) in zip(outs, requests, strict=True)
         ]
         return np.stack(rows).astype(np.float64)
+
+    def _lookup_chunk(self, sid: str, tokens: list[int], ids) -> tuple[ChunkOutput, list[str]]:
+        """Queue the chunk of `lookup` that scores `ids` after `tokens` in session `sid`: its
+        output, and the scratch session it opened (after a one-token prefix) to close later."""
+        rewind = len(tokens) > 1
+        params = (
+            self._rewind_params(sid, 1, len(tokens) - 1) if rewind else copy.copy(self._open[sid])
+        )
+        params.max_tokens, params.prompt_logprobs = 1, len(ids)
+        params.extra_args = {**(params.extra_args or {}), vllm_session_rewind.PROCESS_KEY: True,
+                             vllm_session_rewind.GATHER_KEY: [int(i) for i in ids]}  # fmt: skip
+        chunk = [*tokens, int(ids[0])]
+        if rewind:
+            return self._add_one(sid, chunk, params)[0], []
+        scratch = f"{sid}/lookup"
+        return self.add([(scratch, chunk, 1, None)], lambda *_: params)[0], [scratch]
 
     def add(
         self,
