@@ -293,8 +293,8 @@ def start_ray(config: PPOConfig) -> None:
     quiet = bool(os.environ.get(WORKER_LOG_ENV))  # the workers write to files (`make demo`)
     if quiet:
         env["env_vars"][WORKER_LOG_ENV] = os.environ[WORKER_LOG_ENV]
-    # no idle workers prestarted for this driver: an actor never reuses one (they start without the
-    # job's runtime env), so each would only cost its start-up
+    # no idle workers prestarted for this driver: an actor did not reuse one (measured: it got a new
+    # process while both prestarted workers stayed idle), so each would only cost its start-up
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, workers + 1), include_dashboard=False,
              runtime_env=env, log_to_driver=not quiet, _system_config={"prestart_worker_first_driver": False},
              logging_level=logging.ERROR if quiet else logging.INFO)  # fmt: skip
