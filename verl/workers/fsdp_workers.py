@@ -85,10 +85,9 @@ class FSDPWorker:
         if role not in ROLES:
             raise ValueError(f"role {role!r} is not valid; valid: {', '.join(ROLES)}")
         self.config, self.role, self.rank, self.world_size = config, role, rank, world_size
-        if (
-            device_type() == "cpu"
-        ):  # Ray starts actors with OMP_NUM_THREADS=1: the ranks share the cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        if device_type() == "cpu":  # Ray starts actors with OMP_NUM_THREADS=1: the ranks share
+            # the cores this process may run on (its affinity: `taskset`, a batch scheduler's)
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
         self.mesh = None
         self._sources: dict[str, tuple[str, ...]] | None = None  # LoRA's sync plan, made once
         self.module = self.optimizer = self.lr_scheduler = self.actor = self.ref = (
