@@ -271,22 +271,24 @@ def test_overlong_prompt_is_refused(guided):
         rollout.generate_sequences(prompt_batch(tok, ["1234567890+1234567890="]))
 
 
-def test_mix_mode_gives_exactly_mix_num_samples_guidance_responses(models):
-    from transformers import AutoTokenizer
+@pytest.fixture(scope="module")
+def mixed(guided, models):
+    """A mix-mode rollout (`mix_num_samples` 1, read at every call) beside the guided one."""
+    tok = guided[1]
+    cfg = rollout_config(models[1], mode="mix", mix_num_samples=1)
+    with VLLMRollout(models[0], cfg, tok.eos_token_id, tok.pad_token_id) as rollout:
+        yield rollout
 
-    tok = AutoTokenizer.from_pretrained(models[0])
-    mix = VLLMRollout(
-        models[0],
-        rollout_config(models[1], mode="mix", mix_num_samples=2),
-        tok.eos_token_id,
-        tok.pad_token_id,
-    )
+
+def test_mix_mode_gives_exactly_mix_num_samples_guidance_responses(guided, mixed, models):
+    tok = guided[1]
+    mixed.config.offpolicy_guidance.mix_num_samples = 2
     try:
-        out = mix.generate_sequences(
+        out = mixed.generate_sequences(
             prompt_batch(tok, ["1+1=", "2+3=", "9+9="], n=5, temperature=0.7)
         )
     finally:
-        mix.shutdown()
+        mixed.config.offpolicy_guidance.mix_num_samples = 1
     mask, off = out.batch["response_mask"].bool(), out.batch["offpolicy_mask"]
     per_response = (off & mask).any(-1).view(3, 5)
     assert per_response.sum(-1).tolist() == [2, 2, 2]
@@ -370,6 +372,16 @@ PAIRS = {
     "llama-bpe": dict(arch="llama", vocab=128, bpe=True, draft=(128, 2), guidance=(192, 3)),
 }
 PROCESSING = {"top_k": dict(top_k=20), "top_p": dict(top_p=0.8, temperature=0.8)}
+TRUNCATED_N = {
+    ("top_k", 0.5): 5_000,
+    ("top_k", 1.0): 5_000,
+    ("top_p", 0.5): 10_000,
+    ("top_p", 1.0): N,
+}
+"""First tokens sampled per case: the fewest (of 5,000, 10,000, 20,000) at which the chi-square
+(α = 1e-3) rejects λ off by 0.1 with power >= 0.85 on both pairs, from the HF distributions: top-k
+0.87-1.0 at 5,000; top-p λ = 0.5 0.99 at 10,000 (0.54 at 5,000); top-p λ = 1 0.74-0.99 at 20,000
+(0.17-0.56 at 10,000). Against a guidance or draft left unprocessed the power is 1.0 at 5,000."""
 
 
 @pytest.fixture(scope="module", params=list(PAIRS))
@@ -441,16 +453,16 @@ def floor_log(probs: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("lam", [0.5, 1.0])
 @pytest.mark.parametrize("name", list(PROCESSING))
 def test_truncated_first_token_follows_q_lambda_with_exact_behavior(pair, name, lam):
-    """20,000 first tokens under top-k (or top-p at temperature 0.8) follow (1-λ)p + λq of the
-    processed distributions (chi-square), and every behavior log-prob equals log q_λ from HF
-    forwards, also for draft tokens the guidance's truncation removes (q = 0: log((1-λ)p))."""
+    """First tokens (`TRUNCATED_N`) under top-k (or top-p at temperature 0.8) follow (1-λ)p + λq
+    of the processed distributions (chi-square), and every behavior log-prob equals log q_λ from
+    HF forwards, also for draft tokens the guidance's truncation removes (q = 0: log((1-λ)p))."""
     rollout, tok, draft_hf, guide_hf, _ = pair
-    settings = PROCESSING[name]
+    settings, n = PROCESSING[name], TRUNCATED_N[name, lam]
     temperature = settings.get("temperature", 1.0)
     prompt = tok("12+7=")["input_ids"]
     with processing(rollout, **settings):
         out = rollout.generate_sequences(
-            prompt_batch(tok, ["12+7="], n=N, lam=lam, temperature=temperature, max_tokens=1)
+            prompt_batch(tok, ["12+7="], n=n, lam=lam, temperature=temperature, max_tokens=1)
         )
     with torch.no_grad():
         p, q = (vllm_processed_probs(m(torch.tensor([prompt])).logits[0, -1], **settings)
@@ -464,7 +476,7 @@ def test_truncated_first_token_follows_q_lambda_with_exact_behavior(pair, name, 
     assert not b["guidance_missing_mask"].any()  # the log-probs cover the vocabulary
     outside = (q[first] == 0) & ~off  # draft tokens the guidance's truncation removes
     if lam < 1.0:  # the case of the bug: many, each with behavior log((1-λ)p), not log p
-        assert outside.sum() > N // 20
+        assert outside.sum() > n // 20
         expected = (torch.log1p(torch.tensor(-lam)) + p.log())[first[outside]]
         torch.testing.assert_close(b["behavior_log_probs"][outside, 0].double(), expected.double(), rtol=0, atol=1e-3)  # fmt: skip
     else:  # λ = 1 samples from q alone: no token outside its support
@@ -581,7 +593,7 @@ def _split_like_replicas(rollout, batch: DataProto, parts: int) -> DataProto:
 
 
 @pytest.mark.parametrize("mode", ["speculative", "draft_only", "mix"])
-def test_tokens_do_not_depend_on_how_the_prompts_are_split(guided, models, mode):
+def test_tokens_do_not_depend_on_how_the_prompts_are_split(guided, mixed, mode):
     """Every sequence is seeded by its row in the whole batch, so splitting a step's prompts over
     replicas (here 1, 2 and 3 parts on one engine) changes no token, mask or log-prob."""
     rollout, tok = guided
@@ -589,17 +601,11 @@ def test_tokens_do_not_depend_on_how_the_prompts_are_split(guided, models, mode)
     meta.update({"lam": 0.5} if mode == "speculative" else {"guidance": False})
     engine = rollout
     if mode == "mix":
-        engine = VLLMRollout(models[0], rollout_config(models[1], mode="mix", mix_num_samples=1),
-                             tok.eos_token_id, tok.pad_token_id)  # fmt: skip
-        meta = {"n": 3, "temperature": 1.0, "global_step": 2}
-    try:
-        whole = engine.generate_sequences(prompt_batch(tok, PROMPTS, **meta))
-        for parts in (2, 3):
-            split = _split_like_replicas(engine, prompt_batch(tok, PROMPTS, **meta), parts)
-            assert_same_sequences(whole, split)
-    finally:
-        if engine is not rollout:
-            engine.shutdown()
+        engine, meta = mixed, {"n": 3, "temperature": 1.0, "global_step": 2}
+    whole = engine.generate_sequences(prompt_batch(tok, PROMPTS, **meta))
+    for parts in (2, 3):
+        split = _split_like_replicas(engine, prompt_batch(tok, PROMPTS, **meta), parts)
+        assert_same_sequences(whole, split)
     if mode != "draft_only":
         assert whole.batch["offpolicy_mask"].any()  # the guidance did write tokens
 
