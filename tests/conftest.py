@@ -18,16 +18,35 @@ os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 # never two of them run at once (two at once went past the 23.5 GiB of a CI machine).
 HEAVY = ("tests/trainer/test_two_nodes.py", "tests/workers/rollout/test_replicas.py",
          "tests/trainer/test_real_training.py", "tests/workers/test_weight_sync.py")  # fmt: skip
-# The longest units go first, longest first (from `--durations=0`), so that neither worker is
-# left with a long one at the end while the other idles (xdist never moves a unit once queued);
-# the rest keep their collection order.
-FIRST = ("heavy", "tests/trainer/test_e2e_training.py", "tests/workers/rollout/test_vllm_rollout.py",
+# The longest units go first, longest first (seconds of one core each, from `--durations=0`), so
+# that neither worker is left with a long one at the end while the other idles (xdist never moves
+# a unit once queued, and its own reordering, by test count, is off); the rest keep their order.
+FIRST = ("heavy", "tests/workers/rollout/test_vllm_rollout.py", "tests/trainer/test_e2e_training.py",
          "tests/workers/rollout/test_real_rollout.py", "tests/workers/test_fsdp_workers.py",
-         "tests/workers/rollout/test_multi_turn_real.py", "tests/test_launchers.py",
-         "tests/trainer/test_multi_turn_e2e.py", "tests/workers/rollout/test_guidance_service.py",
-         "tests/workers/rollout/test_guidance_server.py", "tests/workers/rollout/test_speculative.py",
-         "tests/workers/rollout/test_padded_vocab.py", "tests/trainer/test_stale_weights.py",
-         "tests/utils/test_real_model.py", "tests/workers/rollout/test_multi_turn_guided.py")  # fmt: skip
+         "tests/workers/rollout/test_multi_turn_real.py", "tests/workers/rollout/test_guidance_service.py",
+         "tests/workers/rollout/test_guidance_server.py", "tests/test_launchers.py",
+         "tests/workers/rollout/test_padded_vocab.py", "tests/workers/rollout/test_speculative.py",
+         "tests/utils/test_real_model.py", "tests/workers/rollout/test_multi_turn_guided.py",
+         "tests/tools/test_gpu_actor_check.py", "tests/patches/test_vllm_session_rewind.py",
+         "tests/utils/test_shared_tensors.py")  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under `-n N` on at least N cores, each xdist worker (and every process it starts: Ray,
+    engines, CLI runs) computes on its own 1/N of the cores. Two workers that each spread threads
+    over every core make OpenMP threads spin-wait for cores the other worker holds: two processes
+    of 2 threads each ran a tiny model's forward 3.8x slower than with one core each."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0))
+    cores = sorted(os.sched_getaffinity(0))
+    if not worker.startswith("gw") or count < 2 or len(cores) < count:
+        return
+    share = set(cores[int(worker[2:]) % count :: count])
+    for thread in os.listdir(
+        "/proc/self/task"
+    ):  # every thread, so that what any starts inherits it
+        os.sched_setaffinity(int(thread), share)
+    torch.set_num_threads(len(share))
 
 
 def work_unit(nodeid: str) -> str:
@@ -42,6 +61,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     if config.getvalue("dist") not in ("load", "loadfile", "loadgroup"):
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # the units in collection order (FIRST), not by size
 
     class FileGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

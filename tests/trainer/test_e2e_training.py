@@ -65,8 +65,9 @@ def overrides(assets, run_dir: str, **extra) -> dict:
     return OmegaConf.to_container(OmegaConf.merge(OmegaConf.create(base), OmegaConf.create(extra)))
 
 
-def train(assets, run_dir: str, **extra):
-    """One run in this process's Ray session; returns (trainer, last metrics, logged rows)."""
+def train(assets, run_dir: str, before_fit=None, **extra):
+    """One run in this process's Ray session; returns (trainer, last metrics, logged rows).
+    `before_fit(trainer)` runs once the workers are up."""
     from verl.trainer.config import load_config
     from verl.trainer.main import prepare
     from verl.trainer.ray_trainer import RayPPOTrainer
@@ -77,6 +78,8 @@ def train(assets, run_dir: str, **extra):
     )
     trainer.init_workers()
     try:
+        if before_fit is not None:
+            before_fit(trainer)
         last = trainer.fit()
     finally:
         trainer.shutdown()
@@ -301,6 +304,81 @@ def test_resume_continues_with_the_same_data_and_metrics(assets, stacked_run, tm
                     "guidance/offpolicy_token_ratio", "guidance/is_weight_mean", "actor/distill_loss",
                     "variance_proxy/proxy2_total_power", "actor/luffy_token_frac"):  # fmt: skip
             assert resumed[step][key] == pytest.approx(full_steps[step][key], rel=1e-4, abs=1e-6), (step, key)  # fmt: skip
+
+
+MULTITURN_KEYS = ["multiturn/turns_mean", "multiturn/tool_calls_mean", "multiturn/tool_error_frac",
+                  "multiturn/truncated_frac", "multiturn/tool_token_frac", "guidance/accept_rate"]  # fmt: skip
+
+
+def calling_model(path: str, seed: int = 1, weight: float = 40.0) -> str:
+    """A tiny char model where `]` (head weight `weight`) dominates wherever hidden dim 0 is
+    positive: it closes tool calls often (`]` ends the embedded call format)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+
+    save_tiny_lm(path, TinyLMSpec(hidden_size=64, num_hidden_layers=1, vocab_size=100, seed=seed))
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    close = AutoTokenizer.from_pretrained(path).convert_tokens_to_ids("]")
+    with torch.no_grad():
+        lm.model.norm.weight.zero_()
+        lm.model.norm.weight[0] = 1.0
+        lm.lm_head.weight[:, 0] = 0.0
+        lm.lm_head.weight[close, 0] = weight
+    lm.save_pretrained(path)
+    return path
+
+
+def test_two_step_guided_multi_turn_run_trains_and_logs_its_metrics(assets, ray_session, tmp_path):
+    """Multi-turn with the `lookup` tool and speculative guidance (λ = 0.5), on char models
+    edited to close calls often, the two with different strengths: episodes have tool turns and
+    the guidance writes some policy tokens. (The real pair's multi-turn run, through the command
+    line, is tests/trainer/test_real_training.py.)"""
+    calling = {**assets, "draft": calling_model(str(tmp_path / "draft")),
+               "guidance": calling_model(str(tmp_path / "guidance"), seed=5, weight=12.0)}  # fmt: skip
+    extra = {"data": {"max_response_length": 64, "rollout_batch_size": 4},
+             "worker": {"actor": {"global_batch_size": 8, "micro_batch_size_per_device_for_experience": 16},
+                        "rollout": {"n": 2, "offpolicy_guidance": {"lam": 0.5},
+                                    "multi_turn": {"enable": True, "tools": ["lookup"], "tool_call_format": "embedded",
+                                                   "max_turns": 2, "max_tool_response_length": 16}}},
+             "trainer": {"val_before_train": False}}  # fmt: skip
+    run_dir = str(tmp_path / "run")
+    _, _, rows = train(calling, run_dir, **extra)
+    assert_trained(calling, run_dir, rows)
+    for row in check_run("multi_turn", rows, [*GUIDED_KEYS, *MULTITURN_KEYS]):
+        assert row["multiturn/tool_calls_mean"] > 0
+        assert 0 < row["multiturn/tool_token_frac"] < 1
+        assert 0 < row["guidance/offpolicy_token_ratio"] < 1  # the guidance wrote some tokens
+
+
+def test_a_sync_that_skips_a_tensor_fails_the_next_step(assets, ray_session, tmp_path):
+    """The stale-weight detector (`algorithm.max_mismatch_kl`) on a real 2-step run whose weight
+    sync leaves out one tensor: step 1 (engine and actor on the same initial weights, float32:
+    kl_v2 about 1e-12) passes a bound of 1e-6, step 2 (after the update, the engine's down_proj
+    is not the actor's) fails in one line. (Its unit tests: tests/trainer/test_stale_weights.py.)"""
+    from verl.trainer.ray_trainer import StaleRolloutWeights
+    from verl.utils import metric_names as M
+
+    skipped, started = "model.layers.0.mlp.down_proj.weight", []
+
+    def skip_one_tensor(trainer) -> None:
+        plan = trainer.actor_wg.execute_all("weight_bucket_plan", 1.0)[0]
+        assert any(skipped in bucket for bucket in plan)
+        trainer._bucket_plan = [kept for b in plan if (kept := [n for n in b if n != skipped])]
+        started.append(trainer)
+
+    extra = {"worker": {"rollout": {"offpolicy_guidance": {"enable": False}}},
+             "algorithm": {"max_mismatch_kl": 1e-6}, "trainer": {"val_before_train": False}}  # fmt: skip
+    run_dir = str(tmp_path / "run")
+    with pytest.raises(StaleRolloutWeights) as error:
+        train(assets, run_dir, before_fit=skip_one_tensor, **extra)
+    assert started[0].global_step == 2
+    message = str(error.value)
+    assert message.startswith("step 2: mismatch/kl_v2 = ") and "\n" not in message
+    with open(os.path.join(run_dir, "experiment_log.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == [1]  # step 1 passed the same bound and was logged
+    assert rows[0][M.MISMATCH_KL_V2] < 1e-6
 
 
 BAD_CONFIGS = [
