@@ -11,7 +11,8 @@ CPPO loss, LUFFY shaping and the distillation loss, and is the 4-step run that `
 resumes; the two-replica run also distills in reward mode. Settings that exclude each other keep
 runs of their own (guidance off, mix mode, pure distillation by reward) or ride on a run that
 checks something else: the interrupted run distills by the top-K forward loss, and MENTOR's two
-recipes are the two-node runs of test_two_nodes.py.
+recipes are the two-node runs of test_two_nodes.py. The multi-turn run (its own edited models)
+and the stale-weight run (a sync that skips a tensor) share this module's Ray session too.
 """
 
 from __future__ import annotations
