@@ -311,32 +311,15 @@ MULTITURN_KEYS = ["multiturn/turns_mean", "multiturn/tool_calls_mean", "multitur
                   "multiturn/truncated_frac", "multiturn/tool_token_frac", "guidance/accept_rate"]  # fmt: skip
 
 
-def calling_model(path: str, seed: int = 1, weight: float = 40.0) -> str:
-    """A tiny char model where `]` (head weight `weight`) dominates wherever hidden dim 0 is
-    positive: it closes tool calls often (`]` ends the embedded call format)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
-
-    save_tiny_lm(path, TinyLMSpec(hidden_size=64, num_hidden_layers=1, vocab_size=100, seed=seed))
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    close = AutoTokenizer.from_pretrained(path).convert_tokens_to_ids("]")
-    with torch.no_grad():
-        lm.model.norm.weight.zero_()
-        lm.model.norm.weight[0] = 1.0
-        lm.lm_head.weight[:, 0] = 0.0
-        lm.lm_head.weight[close, 0] = weight
-    lm.save_pretrained(path)
-    return path
-
-
 def test_two_step_guided_multi_turn_run_trains_and_logs_its_metrics(assets, ray_session, tmp_path):
     """Multi-turn with the `lookup` tool and speculative guidance (λ = 0.5), on char models
     edited to close calls often, the two with different strengths: episodes have tool turns and
     the guidance writes some policy tokens. (The real pair's multi-turn run, through the command
     line, is tests/trainer/test_real_training.py.)"""
-    calling = {**assets, "draft": calling_model(str(tmp_path / "draft")),
-               "guidance": calling_model(str(tmp_path / "guidance"), seed=5, weight=12.0)}  # fmt: skip
+    from verl.utils.tiny_lm import save_call_prone_lm
+
+    calling = {**assets, "draft": save_call_prone_lm(str(tmp_path / "draft")),
+               "guidance": save_call_prone_lm(str(tmp_path / "guidance"), seed=5, weight=12.0)}  # fmt: skip
     extra = {"data": {"max_response_length": 64, "rollout_batch_size": 4},
              "worker": {"actor": {"global_batch_size": 8, "micro_batch_size_per_device_for_experience": 16},
                         "rollout": {"n": 2, "offpolicy_guidance": {"lam": 0.5},

@@ -168,3 +168,18 @@ def save_tiny_lm(path: str, spec: TinyLMSpec | None = None, model=None, tokenize
     with open(os.path.join(path, "tiny_lm_spec.json"), "w") as f:
         json.dump(asdict(spec), f)
     return path
+
+
+def save_call_prone_lm(path: str, seed: int = 1, weight: float = 40.0) -> str:
+    """Write a tiny char model (vocabulary 100) that closes tool calls often: its final norm keeps
+    hidden dim 0 only and its head maps that dim to `]` alone, with `weight`, so wherever the dim
+    is positive `]` (the embedded call format's stop string) dominates. For multi-turn tests."""
+    spec = TinyLMSpec(hidden_size=64, num_hidden_layers=1, vocab_size=100, seed=seed)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_qwen2(spec, tokenizer)
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[tokenizer.convert_tokens_to_ids("]"), 0] = weight
+    return save_tiny_lm(path, spec, model=model, tokenizer=tokenizer)

@@ -15,11 +15,11 @@ import pytest
 import torch
 from test_multi_turn_rollout import (
     _runs,
-    call_prone_model,
     multi_turn_config,
     prompt_batch,
 )
 
+from verl.utils.tiny_lm import save_call_prone_lm
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
 pytestmark = pytest.mark.vllm
@@ -30,8 +30,8 @@ PROMPTS = ["[lookup:k0", "[lookup:k4", "k2", "[lookup:k9"]
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[str, str]:
     root = tmp_path_factory.mktemp("mt_pair")
-    return (call_prone_model(str(root / "draft"), seed=3, weight=40.0),
-            call_prone_model(str(root / "guidance"), seed=5, weight=12.0))  # fmt: skip
+    return (save_call_prone_lm(str(root / "draft"), seed=3, weight=40.0),
+            save_call_prone_lm(str(root / "guidance"), seed=5, weight=12.0))  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from verl.protocol import DataProto
+from verl.utils.tiny_lm import save_call_prone_lm
 from verl.workers.rollout.config import RolloutConfig
 from verl.workers.rollout.multi_turn_mode import multi_turn_metrics
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
@@ -19,29 +20,9 @@ pytestmark = pytest.mark.vllm
 MAX_TURNS, RESPONSE_LENGTH = 3, 96
 
 
-def call_prone_model(path: str, seed: int, weight: float) -> str:
-    """A tiny char model whose final norm keeps hidden dim 0 only and whose head maps dim 0 to
-    `]` alone (with `weight`): where that dim is positive, `]` dominates."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
-
-    save_tiny_lm(path, TinyLMSpec(hidden_size=64, num_hidden_layers=1, vocab_size=100, seed=seed))
-    tok = AutoTokenizer.from_pretrained(path)
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    close = tok.convert_tokens_to_ids("]")
-    with torch.no_grad():
-        lm.model.norm.weight.zero_()
-        lm.model.norm.weight[0] = 1.0
-        lm.lm_head.weight[:, 0] = 0.0
-        lm.lm_head.weight[close, 0] = weight
-    lm.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    return call_prone_model(str(tmp_path_factory.mktemp("mt") / "draft"), seed=3, weight=40.0)
+    return save_call_prone_lm(str(tmp_path_factory.mktemp("mt") / "draft"), seed=3, weight=40.0)
 
 
 @pytest.fixture(scope="module")
