@@ -42,9 +42,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if not worker.startswith("gw") or count < 2 or len(cores) < count:
         return
     share = set(cores[int(worker[2:]) % count :: count])
-    for thread in os.listdir(
-        "/proc/self/task"
-    ):  # every thread, so that what any starts inherits it
+    # every thread of this process, so that whatever any of them starts inherits the share
+    for thread in os.listdir("/proc/self/task"):
         os.sched_setaffinity(int(thread), share)
     torch.set_num_threads(len(share))
 
