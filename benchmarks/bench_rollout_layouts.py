@@ -29,7 +29,7 @@ import ray
 import torch
 
 from verl.protocol import DataProto
-from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
 from verl.workers.rollout.config import RolloutConfig
 from verl.workers.rollout.worker import RolloutGroup
 

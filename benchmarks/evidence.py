@@ -151,7 +151,7 @@ def load_picks(out: Path) -> dict[str, float] | None:
 TASK_DRAFTS = {"arithmetic": {"weak": "weak", "base": "draft"}, "runsum": {"student": "draft"},
                "runsum_hard": {"hard": "hard"}, "toolchain": {"student": "draft"}}  # fmt: skip
 """Task -> draft label -> the snapshot of the task's embedded pair it is (chosen by held-out
-accuracy targets, `verl.utils.embedded.TASKS`)."""
+accuracy targets, `verl.tasks.embedded.TASKS`)."""
 EMBEDDED = {"runsum_hard": "runsum"}
 """Evidence task -> the embedded task whose models and data it uses (default: its own name):
 `runsum_hard` is runsum from its 3 % student, where most groups of 8 all fail."""
@@ -552,8 +552,8 @@ def tuning_markdown(result: dict) -> str:
 
 def build_models(task: str, drafts: list[str]) -> tuple[dict[str, str], str, dict[str, float]]:
     """The task's drafts (label -> path), its guidance path and every model's held-out accuracy
-    (built once, `verl.utils.embedded.build_embedded`)."""
-    from verl.utils.embedded import TASKS, build_embedded
+    (built once, `verl.tasks.embedded.build_embedded`)."""
+    from verl.tasks.embedded import TASKS, build_embedded
 
     embedded = EMBEDDED.get(task, task)
     pair = build_embedded(task=embedded)
@@ -568,12 +568,12 @@ def build_models(task: str, drafts: list[str]) -> tuple[dict[str, str], str, dic
 
 def draft_all_fail(path: str, task: str, n: int = 8) -> float:
     """Expected share of the held-out prompts whose n samples at T = 1 all miss the exact answer
-    (`verl.utils.embedded.all_fail_share`)."""
+    (`verl.tasks.embedded.all_fail_share`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from verl.utils.embedded import TASKS, all_fail_share, sampled_row_accuracy
-    from verl.utils.tiny_lm import build_char_tokenizer
+    from verl.tasks.embedded import TASKS, all_fail_share, sampled_row_accuracy
+    from verl.tasks.tiny_lm import build_char_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rows = TASKS[task].rows("test")

@@ -2,7 +2,7 @@
 
 One run trains both for N steps (a step: one generation batch of 64 prompts x 8 responses, then 2
 optimizer updates of 256 completions), scores both final models with
-`verl.utils.embedded.greedy_accuracy` on the 500 held-out rows, and reports seconds per step and
+`verl.tasks.embedded.greedy_accuracy` on the 500 held-out rows, and reports seconds per step and
 the ratio TRL / ours. Ours is `python -m verl.trainer.main` on examples/grpo_guided.yaml with
 guidance off; TRL (pinned below) runs in its own virtualenv, .cache/trl-venv, built on first use,
 through benchmarks/_trl_grpo_worker.py. Writes <out>/trl_side_by_side.json and .md.
@@ -194,7 +194,7 @@ def report_md(r: dict) -> str:
              f"| mean training reward, step by step | {rewards(o['train_reward'])} | {rewards(t['train_reward'])} |",
              "", f"Seconds per step, TRL / ours: **{r['ratio_s_per_step']:.2f}x** (TRL's own train_runtime / N: "
              f"{t['train_runtime_s_per_step']:.2f} s).", "",
-             "Accuracy: `verl.utils.embedded.greedy_accuracy` on the 500 test rows for the draft and both final models.",
+             "Accuracy: `verl.tasks.embedded.greedy_accuracy` on the 500 test rows for the draft and both final models.",
              f"TRL env ({install}): {', '.join(f'{k} {v}' for k, v in r['trl_versions'].items())}; "
              f"TRL ran with {r['trl_torch_threads']} torch threads on {r['cpu_count']} CPUs; 1-minute load "
              f"average {r['load_avg_1min'][0]:.2f} at the start, {r['load_avg_1min'][1]:.2f} at the end.", "",
@@ -214,7 +214,7 @@ def run_logged(cmd: list[str], log: Path, env: dict | None = None) -> None:
 
 def run_trl(work: Path, trl: dict, cfg: PPOConfig) -> dict:
     """GRPOTrainer in the TRL env through the worker, on our model and train rows; its result JSON."""
-    from verl.utils.embedded import load_embedded
+    from verl.tasks.embedded import load_embedded
 
     (work / "train.json").write_text(json.dumps(load_embedded(cfg.data.train_files)))
     spec = {"model": str(ROOT / cfg.worker.actor.model.model_path), "train_rows": str(work / "train.json"), "config": trl,
@@ -256,7 +256,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl.utils.embedded import greedy_accuracy, load_embedded
+    from verl.tasks.embedded import greedy_accuracy, load_embedded
 
     torch.set_num_threads(os.cpu_count() or 1)
     draft = ROOT / cfg.worker.actor.model.model_path

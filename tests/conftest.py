@@ -26,7 +26,7 @@ FIRST = ("heavy", "tests/workers/rollout/test_vllm_rollout.py", "tests/trainer/t
          "tests/workers/rollout/test_multi_turn_real.py", "tests/workers/rollout/test_guidance_service.py",
          "tests/workers/rollout/test_guidance_server.py", "tests/test_launchers.py",
          "tests/workers/rollout/test_padded_vocab.py", "tests/workers/rollout/test_speculative.py",
-         "tests/utils/test_real_model.py", "tests/workers/rollout/test_multi_turn_guided.py",
+         "tests/tasks/test_real_model.py", "tests/workers/rollout/test_multi_turn_guided.py",
          "tests/tools/test_gpu_actor_check.py", "tests/patches/test_vllm_session_rewind.py",
          "tests/utils/test_shared_tensors.py")  # fmt: skip
 
@@ -100,11 +100,11 @@ def rollout_gpus():
 
 @pytest.fixture(scope="session")
 def real_pair():
-    """The real pretrained pair (`verl.utils.real_model.RealPair`): `.guidance` is the folder of
+    """The real pretrained pair (`verl.tasks.real_model.RealPair`): `.guidance` is the folder of
     SmolLM2-135M-Instruct, `.draft` the same model without four middle decoder layers; same
     tokenizer and chat template. Built once under the repository's `.cache/real/` (about 30 s on
     2 cores) and reused by later sessions while the recipe is unchanged."""
-    from verl.utils.real_model import build_pair
+    from verl.tasks.real_model import build_pair
 
     return build_pair()
 

@@ -126,10 +126,10 @@ def test_readme_gpu_quickstart_takes_hub_ids(tmp_path, monkeypatch):
     those ids in a local Hugging Face cache (HF_HUB_OFFLINE=1): `--dry-run` passes and keeps the
     ids, and the model checks `prepare` runs before Ray (`check_models`) resolve both to their
     snapshots. Without the cache the same command stops in one line naming the key."""
+    from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
     from verl.trainer.config import load_config, to_dict
     from verl.trainer.main import check_models
     from verl.utils.model_path import add_to_hub_cache
-    from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
 
     readme = (ROOT / "README.md").read_text()
     env = {"MODEL_PATH": "Qwen/Qwen2.5-1.5B-Instruct", "GUIDANCE_PATH": "Qwen/Qwen2.5-7B-Instruct",

@@ -54,7 +54,7 @@ def engine(tmp_path_factory):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
-    from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+    from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
 
     path = save_tiny_lm(
         str(tmp_path_factory.mktemp("rewind") / "model"),

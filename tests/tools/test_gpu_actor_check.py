@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
 from verl.tools import gpu_actor_check as G
-from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])

@@ -14,7 +14,7 @@ def digit_share(reward_input):
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
     """Built once a session and only read (runs write under their own run folders)."""
-    from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+    from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
 
     root = tmp_path_factory.mktemp("e2e")
     draft = save_tiny_lm(

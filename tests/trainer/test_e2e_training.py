@@ -316,7 +316,7 @@ def test_two_step_guided_multi_turn_run_trains_and_logs_its_metrics(assets, ray_
     edited to close calls often, the two with different strengths: episodes have tool turns and
     the guidance writes some policy tokens. (The real pair's multi-turn run, through the command
     line, is tests/trainer/test_real_training.py.)"""
-    from verl.utils.tiny_lm import save_call_prone_lm
+    from verl.tasks.tiny_lm import save_call_prone_lm
 
     calling = {**assets, "draft": save_call_prone_lm(str(tmp_path / "draft")),
                "guidance": save_call_prone_lm(str(tmp_path / "guidance"), seed=5, weight=12.0)}  # fmt: skip

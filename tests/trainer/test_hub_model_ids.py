@@ -23,7 +23,7 @@ BASE = ["config=examples/qwen2_5_math.yaml", "config=configs/guidance_speculativ
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+    from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
 
     root = tmp_path_factory.mktemp("tiny")
     draft = save_tiny_lm(str(root / "draft"), TinyLMSpec(hidden_size=64, num_hidden_layers=1))

@@ -1,4 +1,4 @@
-"""Two training steps on the real pretrained pair (verl/utils/real_model.py) through the CLI,
+"""Two training steps on the real pretrained pair (verl/tasks/real_model.py) through the CLI,
 multi-turn with the `lookup` tool.
 
 The draft (SmolLM2-135M-Instruct without four middle layers) is the actor, the full model the

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from verl.tasks.tiny_lm import TinyLMSpec, build_tiny_qwen2
 from verl.utils import checkpoint as ckpt_mod
 from verl.utils.checkpoint import FSDPCheckpointManager, is_complete
 from verl.utils.fsdp_utils import apply_fsdp2, free_port, init_distributed
-from verl.utils.tiny_lm import TinyLMSpec, build_tiny_qwen2
 
 
 @pytest.fixture(scope="module")

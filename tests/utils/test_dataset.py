@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from verl.tasks.tiny_lm import build_char_tokenizer
 from verl.utils.dataset import PromptEncoder, RLDataset, build_dataloader, load_rows
-from verl.utils.tiny_lm import build_char_tokenizer
 
 ROWS = [{"q": f"{i}+{i}=", "a": str(2 * i)} for i in range(10)]
 
@@ -88,12 +88,12 @@ def test_multi_turn_chat_prompts_get_the_tool_instructions():
 def test_batches_are_left_padded_with_ground_truth(encoder):
     data = RLDataset("embedded://arithmetic@test", encoder, "prompt", "answer")
     batch = next(iter(build_dataloader(data, 4, shuffle=False, seed=0, drop_last=True)))
-    ids, mask = batch.batch["input_ids"], batch.batch["attention_mask"]
+    ids, mask = batch["input_ids"], batch["attention_mask"]
     assert ids.shape == (4, 8) and mask[:, -1].all()
     first = data.items[0]
     assert ids[0][mask[0].bool()].tolist() == first[0]
-    assert batch.non_tensor_batch["ground_truth"][0] == first[1]
-    assert batch.batch["position_ids"][0, -1] == len(first[0]) - 1
+    assert batch["ground_truth"][0] == first[1]
+    assert batch["position_ids"][0, -1] == len(first[0]) - 1
 
 
 def test_dataloader_state_resumes_the_same_order(encoder):
@@ -102,8 +102,8 @@ def test_dataloader_state_resumes_the_same_order(encoder):
     it = iter(loader)
     next(it), next(it)
     state = loader.state_dict()
-    expected = [next(it).non_tensor_batch["index"].tolist() for _ in range(3)]
+    expected = [next(it)["index"].tolist() for _ in range(3)]
     fresh = build_dataloader(data, 16, shuffle=True, seed=3, drop_last=True)
     fresh.load_state_dict(state)
     it2 = iter(fresh)
-    assert [next(it2).non_tensor_batch["index"].tolist() for _ in range(3)] == expected
+    assert [next(it2)["index"].tolist() for _ in range(3)] == expected

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from verl.tasks.tiny_lm import TinyLMSpec, build_tiny_qwen2
 from verl.utils.fsdp_utils import (
     Offloader,
     apply_fsdp2,
@@ -19,7 +20,6 @@ from verl.utils.fsdp_utils import (
     offload_notice,
     reshard_all,
 )
-from verl.utils.tiny_lm import TinyLMSpec, build_tiny_qwen2
 
 NOTICE = "no effect on CPU (tensors already live in host memory)"
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
 from verl.utils import lora as L
 from verl.utils.config_checks import ConfigError
-from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
 from verl.workers.actor.config import LoraConfig
 
 

@@ -142,8 +142,8 @@ def test_a_snapshot_folder_missing_here_resolves_as_the_same_commit(model, cache
 def test_load_hf_model_takes_hub_ids(cache, tmp_path):
     import torch
 
+    from verl.tasks.tiny_lm import save_tiny_lm
     from verl.utils.fsdp_utils import load_hf_model
-    from verl.utils.tiny_lm import save_tiny_lm
 
     add_to_hub_cache(save_tiny_lm(str(tmp_path / "tiny")), "Org/tiny-lm")
     model = load_hf_model("Org/tiny-lm", torch.float32, "sdpa")

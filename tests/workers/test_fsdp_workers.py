@@ -8,9 +8,9 @@ import pytest
 import ray
 import torch
 
+from verl.tasks.synthetic import synthetic_rl_batch
+from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
 from verl.utils import metric_names as M
-from verl.utils.synthetic import synthetic_rl_batch
-from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 from verl.workers.config import WorkerConfig
 from verl.workers.fsdp_workers import FSDPWorker, build_lr_scheduler

@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 
 from verl.protocol import DataProto
+from verl.tasks.synthetic import synthetic_rl_batch
+from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
 from verl.utils import lora as L
 from verl.utils.fsdp_utils import free_port
 from verl.utils.shared_tensors import from_shared
-from verl.utils.synthetic import synthetic_rl_batch
-from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
 from verl.workers.config import WorkerConfig
 from verl.workers.fsdp_workers import FSDPWorker
 

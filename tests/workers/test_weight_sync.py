@@ -11,7 +11,7 @@ import torch
 from test_fsdp_workers import _update_data, start_group
 
 from verl.protocol import DataProto
-from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
 from verl.workers.rollout.config import RolloutConfig
 from verl.workers.rollout.worker import PeakMemory, RolloutGroup
 

@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", action="append", help="HF model folder (repeatable)")
     parser.add_argument("--out", default="", help="write the JSON report here")
     parser.add_argument("--gguf", default="", help="also the real draft built from this SmolLM2 "
-                        "GGUF file (verl/utils/real_model.py), into a temporary folder")  # fmt: skip
+                        "GGUF file (verl/tasks/real_model.py), into a temporary folder")  # fmt: skip
     parser.add_argument("--gguf-tokenizer", default="", help="the tokenizer folder to use with "
                         "--gguf (when this transformers reads the GGUF's tokenizer otherwise)")  # fmt: skip
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on "
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("LOCAL_RANK", "0")
     port = free_port()
     if args.gguf:
-        from verl.utils.real_model import write_draft
+        from verl.tasks.real_model import write_draft
 
         folder = Path(tempfile.mkdtemp()) / "real_draft"
         models.append(str(write_draft(Path(args.gguf), folder, args.gguf_tokenizer or None)))

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from omegaconf.nodes import StringNode
 
+from verl.tasks.embedded import TASKS, embedded_task
 from verl.trainer.core_algos.advantage import (
     ADV_ESTIMATORS,
     GUIDED_ADVANTAGES,
@@ -31,7 +32,6 @@ from verl.trainer.core_algos.kl import KL_ESTIMATORS
 from verl.trainer.core_algos.offpolicy import RATIO_LEVELS
 from verl.trainer.core_algos.policy_loss import PolicyLossConfig
 from verl.utils.config_checks import ConfigError, check_choice, check_range, fail
-from verl.utils.embedded import TASKS, embedded_task
 from verl.workers.config import WorkerConfig
 
 

@@ -1,7 +1,7 @@
 """`make demo`: guided GRPO on the embedded tiny task, end to end, on whatever machine this is.
 
 1. Builds once (cached under `.cache/embedded/`) a weak draft and a strong guidance model for
-   reversed-digit addition (`verl/utils/embedded.py`), with the project's own code.
+   reversed-digit addition (`verl/tasks/embedded.py`), with the project's own code.
 2. Trains the draft with guided GRPO (speculative mode) through the real Ray + FSDP + vLLM path,
    with `examples/grpo_guided.yaml` (GPU when there is one, CPU otherwise).
 3. Prints a short table titled with the run's mode: validation accuracy before / after, and the
@@ -83,9 +83,9 @@ def summarize(run_dir: str, config) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl.tasks.embedded import build_embedded
     from verl.trainer.config import ConfigError, load_config
     from verl.trainer.main import TrainingInterrupted, prepare, run
-    from verl.utils.embedded import build_embedded
     from verl.utils.worker_logs import WORKER_LOG_ENV
 
     args = sys.argv[1:] if argv is None else argv

@@ -18,9 +18,9 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from verl.tasks.embedded import CACHE_DIR, TASKS, build_embedded, task_dir
 from verl.trainer.config import ConfigError, PPOConfig, load_config
 from verl.utils.dataset import PromptEncoder, RLDataset, resolve_data
-from verl.utils.embedded import CACHE_DIR, TASKS, build_embedded, task_dir
 from verl.utils.worker_logs import WORKER_LOG_ENV
 from verl.workers.reward.config import RewardConfig
 
@@ -91,7 +91,7 @@ def _unbuilt_embedded(config: PPOConfig) -> dict[str, str]:
 
 
 def _build_embedded_if_needed(config: PPOConfig) -> None:
-    """Model paths inside the embedded cache are built on first use (`verl/utils/embedded.py`)."""
+    """Model paths inside the embedded cache are built on first use (`verl/tasks/embedded.py`)."""
     for task in sorted(set(_unbuilt_embedded(config).values())):
         build_embedded(task=task)
 

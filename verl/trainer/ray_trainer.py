@@ -382,7 +382,8 @@ class RayPPOTrainer:
             return {}
         overrides = self.config.worker.rollout.val_override_config
         scores, lengths, components, samples = [], [], {}, []
-        for batch in self.val_loader:
+        for batch_dict in self.val_loader:
+            batch = DataProto.from_single_dict(batch_dict)
             batch.meta_info = {"n": overrides.get("n", 1), "guidance": False, "global_step": self.global_step,
                                "temperature": overrides.get("temperature", self.config.worker.rollout.temperature)}  # fmt: skip
             out = self.rollout.generate_sequences(batch)
@@ -492,8 +493,8 @@ class RayPPOTrainer:
             if trainer.val_only:
                 return last
             while self.global_step < self.total_steps:
-                for batch in self.train_loader:
-                    last = self._run_step(batch)
+                for batch_dict in self.train_loader:
+                    last = self._run_step(DataProto.from_single_dict(batch_dict))
                     if self.global_step >= self.total_steps:
                         break
             if self.val_loader is not None and (

@@ -5,7 +5,8 @@
 - a local folder written by `datasets.save_to_disk`, or any folder `datasets.load_dataset` reads;
 - `name@split` for a Hugging Face dataset: its snapshot in the local hub cache, downloaded first
   when missing and the hub may be reached (as models are: `verl.utils.model_path.hub_snapshot`);
-- `embedded://arithmetic@train` / `@test`, built by `verl/utils/embedded.py`.
+- `embedded://arithmetic@train` / `@test`, built by `verl/tasks/embedded.py`: a registered
+  scheme (`register_row_source`); the package that defines a scheme registers it when imported.
 
 Each prompt is wrapped in the format-prompt template (a Jinja file with `{{ content }}`) when one
 is given, then in the tokenizer's chat template unless `data.apply_chat_template` is false, and
@@ -16,16 +17,11 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-
-from verl.utils.embedded import EMBEDDED_SCHEME, load_embedded
-
-if TYPE_CHECKING:  # imported where a batch is made: a dry run never loads tensordict (about 2 s)
-    from verl.protocol import DataProto
 
 DATA_FORMS = (
     "valid: a .jsonl/.json/.parquet file, a dataset folder, embedded://<task>@train|test, or "
@@ -36,6 +32,31 @@ DATA_FORMS = (
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 """Data file extension -> `datasets` builder."""
 
+ROW_SOURCES: dict[str, Callable[[str], list[dict]]] = {}
+"""A spec's scheme (e.g. `embedded://`) -> the function that gives its rows (raising ValueError
+for an unknown one); filled by `register_row_source` in the module that defines the scheme."""
+
+
+def register_row_source(scheme: str) -> Callable:
+    """Decorator: `fn(spec) -> rows` answers every `data.*_files` value that starts with `scheme`."""
+
+    def register(fn: Callable[[str], list[dict]]) -> Callable[[str], list[dict]]:
+        ROW_SOURCES[scheme] = fn
+        return fn
+
+    return register
+
+
+def _scheme_rows(spec: str, key: str) -> list[dict] | None:
+    """The rows of a spec in a registered scheme (None: not one), errors naming `key`."""
+    for scheme, rows in ROW_SOURCES.items():
+        if spec.startswith(scheme):
+            try:
+                return rows(spec)
+            except ValueError as error:
+                raise ValueError(f"{key}: {error}") from None
+    return None
+
 
 def resolve_data(spec: str, key: str = "data", download: bool = True) -> str | None:
     """Where `spec` loads from: itself for a local file (of a known format), a folder or an
@@ -43,11 +64,7 @@ def resolve_data(spec: str, key: str = "data", download: bool = True) -> str | N
     `name@split`, cached or downloaded as models are (`verl.utils.model_path.hub_snapshot`; with
     `download=False`, None for one a run would download). Raises FileNotFoundError or ValueError
     in one line naming `key`, `spec` and what is valid."""
-    if spec.startswith(EMBEDDED_SCHEME):
-        try:
-            load_embedded(spec)
-        except ValueError as error:
-            raise ValueError(f"{key}: {error}") from None
+    if _scheme_rows(spec, key) is not None:
         return spec
     if os.path.isfile(spec):
         if os.path.splitext(spec)[1] not in FILE_FORMATS:
@@ -73,14 +90,32 @@ def resolve_data(spec: str, key: str = "data", download: bool = True) -> str | N
 def load_rows(spec: str, key: str = "data") -> list[dict]:
     """The rows of a dataset given in any form listed in the module docstring; `key` (the config
     key it came from) names it in the one-line errors."""
-    if spec.startswith(EMBEDDED_SCHEME):
-        try:
-            return load_embedded(spec)
-        except ValueError as error:
-            raise ValueError(f"{key}: {error}") from None
+    rows = _scheme_rows(spec, key)
+    if rows is not None:
+        return rows
     source = resolve_data(spec, key)
     import datasets
 
+    bars, verbosity = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()  # "Generating train split" bars: not the run's output
+    datasets.logging.set_verbosity_critical()  # its log line of a failed read: the error says it
+    try:
+        return _read_rows(datasets, spec, source)
+    except Exception as error:  # a malformed or unreadable file, an unknown split, ...
+        cause = error.__cause__ or error  # datasets wraps the reader's own error
+        text = (str(cause).strip().splitlines() or [""])[0]
+        where = "" if source == spec else f" (hub snapshot {source})"
+        raise ValueError(f"{key}: {spec!r}{where} cannot be read: {type(cause).__name__}: {text}; "
+                         f"{DATA_FORMS}") from None  # fmt: skip
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _read_rows(datasets, spec: str, source: str) -> list[dict]:
+    """The rows of a local file, a local folder or a hub snapshot folder (`source`, resolved
+    from `spec`) read with `datasets`."""
     if os.path.isfile(source):
         kind = FILE_FORMATS[os.path.splitext(source)[1]]
         return list(datasets.load_dataset(kind, data_files=source, split="train"))
@@ -89,14 +124,7 @@ def load_rows(spec: str, key: str = "data") -> list[dict]:
             loaded = datasets.load_from_disk(spec)
             return list(loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded)
         return list(datasets.load_dataset(spec, split="train"))
-    split = spec.partition("@")[2]
-    try:  # the snapshot folder of a hub dataset
-        return list(datasets.load_dataset(source, split=split))
-    except Exception as error:  # an unknown split, files a partial snapshot lacks, ...
-        text = (str(error).strip().splitlines() or [""])[0]
-        raise ValueError(
-            f"{key}: {spec!r} (hub snapshot {source}): {type(error).__name__}: {text}"
-        ) from None
+    return list(datasets.load_dataset(source, split=spec.partition("@")[2]))
 
 
 @dataclass
@@ -176,24 +204,22 @@ class RLDataset(torch.utils.data.Dataset):
         return self.items[index]
 
 
-def collate(items, max_prompt_length: int, pad_token_id: int) -> DataProto:
-    """Left-pad a list of dataset items into a DataProto (+ ground_truth, raw_prompt, index)."""
-    from verl.protocol import DataProto
-
+def collate(items, max_prompt_length: int, pad_token_id: int) -> dict:
+    """Left-pad a list of dataset items into one dict of (B, P) tensors (input_ids,
+    attention_mask, position_ids) and (B,) arrays (ground_truth, raw_prompt, index): the trainer
+    makes it a DataProto (`DataProto.from_single_dict`)."""
     ids = torch.full((len(items), max_prompt_length), pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(items), max_prompt_length, dtype=torch.long)
     for i, (tokens, *_) in enumerate(items):
         ids[i, max_prompt_length - len(tokens) :] = torch.tensor(tokens)
         mask[i, max_prompt_length - len(tokens) :] = 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0) * mask
-    non_tensor = {
+    return {
+        "input_ids": ids, "attention_mask": mask, "position_ids": position_ids,
         "ground_truth": np.array([it[1] for it in items], dtype=object),
         "raw_prompt": np.array([it[2] for it in items], dtype=object),
         "index": np.array([it[3] for it in items], dtype=np.int64),
-    }
-    return DataProto.from_dict(
-        {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids}, non_tensor
-    )
+    }  # fmt: skip
 
 
 def build_dataloader(

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from verl.protocol import DataProto
+from verl.tasks.synthetic import synthetic_rl_batch
+from verl.tasks.tiny_lm import TinyLMSpec, build_tiny_qwen2
 from verl.trainer.core_algos.policy_loss import LOSS_AGG_MODES, PolicyLossConfig
 from verl.utils import metric_names as M
-from verl.utils.synthetic import synthetic_rl_batch
-from verl.utils.tiny_lm import TinyLMSpec, build_tiny_qwen2
 from verl.workers.actor.config import ActorConfig
 from verl.workers.actor.dp_actor import DataParallelPPOActor
 

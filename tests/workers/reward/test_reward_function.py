@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from verl.protocol import DataProto
-from verl.utils.tiny_lm import build_char_tokenizer
+from verl.tasks.tiny_lm import build_char_tokenizer
 from verl.workers.reward.config import RewardConfig
 from verl.workers.reward.function import (
     FunctionRewardManager,

@@ -53,7 +53,7 @@ def test_kv_budget_is_the_share_minus_weights_and_reserve_by_hand():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+    from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
 
     root = tmp_path_factory.mktemp("setup")
     paths = {}

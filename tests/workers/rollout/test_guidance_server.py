@@ -16,7 +16,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+    from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
 
     return save_tiny_lm(
         str(tmp_path_factory.mktemp("guide") / "m"),

@@ -20,7 +20,7 @@ import pytest
 import ray
 from test_vllm_rollout import PROMPTS, VOCAB, assert_same_sequences, prompt_batch, rollout_config
 
-from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
 from verl.workers.rollout.guidance_server import GuidanceLost
 from verl.workers.rollout.worker import RolloutGroup
 

@@ -19,7 +19,7 @@ from test_multi_turn_rollout import (
     prompt_batch,
 )
 
-from verl.utils.tiny_lm import save_call_prone_lm
+from verl.tasks.tiny_lm import save_call_prone_lm
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
 pytestmark = pytest.mark.vllm

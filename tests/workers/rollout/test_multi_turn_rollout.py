@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from verl.protocol import DataProto
-from verl.utils.tiny_lm import save_call_prone_lm
+from verl.tasks.tiny_lm import save_call_prone_lm
 from verl.workers.rollout.config import RolloutConfig
 from verl.workers.rollout.multi_turn_mode import multi_turn_metrics
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout

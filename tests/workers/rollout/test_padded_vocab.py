@@ -29,7 +29,7 @@ def padded(tmp_path_factory):
     """(rollout, tokenizer, HF draft, HF guidance) of the padded pair."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+    from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
     from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
     root = tmp_path_factory.mktemp("padded")

@@ -63,7 +63,7 @@ def test_two_ray_replicas_give_the_tokens_of_one(tmp_path, rollout_gpus):
     )
     from transformers import AutoTokenizer
 
-    from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+    from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
     from verl.workers.rollout.worker import RolloutGroup
 
     draft = save_tiny_lm(

@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_vllm_rollout import PROMPTS, VOCAB, assert_same_sequences, prompt_batch, rollout_config
 
-from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
 
 pytestmark = pytest.mark.gpu
 GiB = 2**30

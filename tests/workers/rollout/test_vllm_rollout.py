@@ -21,7 +21,7 @@ N = 20_000
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from verl.utils.tiny_lm import TinyLMSpec, save_tiny_lm
+    from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
 
     root = tmp_path_factory.mktemp("pair")
     draft = save_tiny_lm(
@@ -389,7 +389,7 @@ def pair(request, tmp_path_factory):
     """(rollout with guidance, tokenizer, HF draft, HF guidance, vocab) of one pair."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl.utils.tiny_lm import TinyLMSpec, build_bpe_tokenizer, save_tiny_lm
+    from verl.tasks.tiny_lm import TinyLMSpec, build_bpe_tokenizer, save_tiny_lm
 
     spec = PAIRS[request.param]
     root = tmp_path_factory.mktemp(request.param)

@@ -44,7 +44,7 @@ def runsum_reward(reward_input: dict) -> dict[str, float]:
 
 @REWARD_FUNCTIONS.register("toolchain")
 def toolchain_reward(reward_input: dict) -> dict[str, float]:
-    """The embedded `toolchain` task (multi-turn, `verl/utils/embedded_tools.py`): 1 when the text
+    """The embedded `toolchain` task (multi-turn, `verl/tasks/embedded_tools.py`): 1 when the text
     after the response's last line break (each tool result ends one: `[lookup:k07]=70\\n...`) is
     the answer, two digits, else 0. A response that never calls the tool and writes the right
     digits scores too. Components: `format` (that text is two digits) and `tool_calls` (calls

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from verl.utils.tiny_lm import build_char_tokenizer
+from verl.tasks.tiny_lm import build_char_tokenizer
 from verl.workers.rollout.multi_turn import (
     MultiTurnConfig,
     MultiTurnRuntime,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from verl.utils.real_model import chat_prompt_ids
-from verl.utils.tiny_lm import build_char_tokenizer
+from verl.tasks.real_model import chat_prompt_ids
+from verl.tasks.tiny_lm import build_char_tokenizer
 from verl.workers.rollout.multi_turn.deltas import (
     plain_text,
     retokenization_mismatch,

@@ -27,12 +27,11 @@ canonical episode (`embedded.sampled_accuracy` over these transcripts: a lower b
 `tool_dependence` measures whether the answers need the tool: the same loop with the tool
 answering nothing, or answering from another table.
 
-    python -m verl.utils.embedded_tools   # builds toolchain once, then prints its turn-loop figures
+    python -m verl.tasks.toolchain_report   # builds toolchain once, then prints its turn-loop figures
 """
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable, Sequence
 
@@ -310,29 +309,3 @@ def tool_dependence(model, rows: Sequence[dict[str, str]], tokenizer, samples: i
             "shuffled_true_accuracy": true["accuracy"], "shuffled_true_stderr": true["stderr"],
             "shuffled_follows_accuracy": follows["accuracy"],
             "shuffled_follows_stderr": follows["stderr"]}  # fmt: skip
-
-
-def main() -> None:
-    """Build `toolchain` once (`embedded.build_embedded`), then print each model's exact canonical
-    accuracy, its turn-loop accuracy and the guidance's dependence on the tool, as JSON."""
-    import os
-
-    from transformers import AutoModelForCausalLM
-
-    from verl.utils.embedded import build_embedded, sampled_accuracy
-    from verl.utils.tiny_lm import build_char_tokenizer
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    built, tokenizer = build_embedded(task="toolchain"), build_char_tokenizer()
-    test, report = toolchain_split("test"), {"build": built}
-    for name in ("draft", "guidance"):
-        model = AutoModelForCausalLM.from_pretrained(built[name]).eval()
-        report[name] = {"canonical_exact": sampled_accuracy(model, test, tokenizer, encode=toolchain_encode),
-                        **evaluate_episodes(model, test, tokenizer)}  # fmt: skip
-        if name == "guidance":
-            report[name].update(tool_dependence(model, test, tokenizer))
-        print(json.dumps({name: report[name]}, indent=1), flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""The real pretrained pair (verl/utils/real_model.py): cached, consistent, fluent, and the same
+"""The real pretrained pair (verl/tasks/real_model.py): cached, consistent, fluent, and the same
 in transformers and in vLLM's CPU build (greedy tokens, sampled-token log-probs to 1e-4)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from verl.utils.real_model import (
+from verl.tasks.real_model import (
     CHAT_PROMPTS,
     DROPPED_LAYERS,
     EOS_TOKEN,
@@ -37,7 +37,7 @@ def snapshot(folder) -> dict[str, tuple[int, int, int]]:
 
 
 def test_second_build_is_a_cache_hit_with_the_same_files(real_pair, monkeypatch):
-    import verl.utils.real_model as real_model
+    import verl.tasks.real_model as real_model
 
     before = {name: snapshot(getattr(real_pair, name)) for name in ("guidance", "draft")}
     # a hit reads the records only: neither the GGUF source nor a rebuild

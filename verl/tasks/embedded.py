@@ -18,13 +18,13 @@ rounding moves the curve.
   layers, width 128) and measured by their expected accuracy when sampling at temperature 1,
   the rollout's, since a response of 20 steps sampled at T = 1 fails far more often than the
   greedy one.
-- `toolchain` (multi-turn, needs its tool; `verl/utils/embedded_tools.py`): `k07>3=` asks for
+- `toolchain` (multi-turn, needs its tool; `verl/tasks/embedded_tools.py`): `k07>3=` asks for
   3 lookups in the `lookup` tool's table from key k07, each next key the previous value
   (`[lookup:k07]`, answered `=70\n`, then `[lookup:k70]`...), then the last value (`48`).
   Trained on whole transcripts, the loss on the policy's tokens only; measured like `runsum`,
   sampled at T = 1 (the canonical episode's exact probability).
 
-    python -m verl.utils.embedded [--task runsum]   # builds once; later calls reuse it
+    python -m verl.tasks.embedded [--task runsum]   # builds once; later calls reuse it
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from verl.utils.embedded_tools import (
+from verl.tasks.embedded_tools import (
     TOOLCHAIN_FORMAT,
     TOOLCHAIN_MAX_TURNS,
     TOOLCHAIN_PROMPT_LENGTH,
@@ -50,7 +50,8 @@ from verl.utils.embedded_tools import (
     toolchain_encode,
     toolchain_split,
 )
-from verl.utils.tiny_lm import TinyLMSpec, build_char_tokenizer, build_tiny_qwen2, save_tiny_lm
+from verl.tasks.tiny_lm import TinyLMSpec, build_char_tokenizer, build_tiny_qwen2, save_tiny_lm
+from verl.utils.dataset import register_row_source
 
 EMBEDDED_SCHEME = "embedded://"
 CACHE_DIR = os.environ.get("VERL_EMBEDDED_CACHE", ".cache/embedded")
@@ -173,6 +174,7 @@ GRPO learns nothing from a prompt), guidance 95 % (sampled at T = 1); `toolchain
 episode's policy tokens (its response length counts the tool tokens: 51; 4 turns at most)."""
 
 
+@register_row_source(EMBEDDED_SCHEME)
 def load_embedded(spec: str) -> list[dict[str, str]]:
     """Rows of `embedded://<task>@<split>` (e.g. embedded://arithmetic@train)."""
     body = spec[len(EMBEDDED_SCHEME) :]

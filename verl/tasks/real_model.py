@@ -14,7 +14,7 @@ dequantized state dict loaded into it, safetensors) with its tokenizer, chat tem
 
 Cutting the model to its first layers gives noise; dropping a few middle layers keeps it fluent.
 Per-token NLL of the full model's greedy continuations (up to 48 tokens) of the six
-`CHAT_PROMPTS`, teacher-forced (`measure_nll`, `python -m verl.utils.real_model --measure`, 2 CPU
+`CHAT_PROMPTS`, teacher-forced (`measure_nll`, `python -m verl.tasks.real_model --measure`, 2 CPU
 cores, float32):
 
     dropped layers         NLL (nats/token)  the model's own greedy answers
@@ -32,7 +32,7 @@ Neither model is good at arithmetic (the guidance answers "12 + 7 = 9", the draf
 the draft's answers are less apt ("Three colors are not only black and white. ...").
 
 Both folders load in transformers (`AutoModelForCausalLM.from_pretrained`) and in vLLM's CPU
-build (`vllm.LLM(model=path, dtype="float32", ...)`); tests/utils/test_real_model.py checks both,
+build (`vllm.LLM(model=path, dtype="float32", ...)`); tests/tasks/test_real_model.py checks both,
 that vLLM's greedy output equals transformers' and that its log-probs match to 1e-4.
 
 The pair is built once under the repository's `.cache/real/` (or `VERL_REAL_CACHE`) and reused
@@ -41,7 +41,7 @@ while each folder's record (`real_model.json`) matches the recipe; a build write
 The GGUF file is found through the installed distribution's file list (the package itself is not
 imported: it needs `llm` and `llama-cpp-python`, which this project does not install).
 
-    python -m verl.utils.real_model [--out DIR] [--measure]   # builds once; later calls reuse it
+    python -m verl.tasks.real_model [--out DIR] [--measure]   # builds once; later calls reuse it
 """
 
 from __future__ import annotations

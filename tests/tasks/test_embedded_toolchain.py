@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from verl.utils.embedded import (
+from verl.tasks.embedded import (
     TASKS,
     SFTSpec,
     build_embedded,
@@ -19,7 +19,7 @@ from verl.utils.embedded import (
     pick_snapshots,
     sampled_accuracy,
 )
-from verl.utils.embedded_tools import (
+from verl.tasks.embedded_tools import (
     TOOLCHAIN_RESPONSE_LENGTH,
     TOOLCHAIN_TEST_STARTS,
     evaluate_episodes,
@@ -34,7 +34,7 @@ from verl.utils.embedded_tools import (
     toolchain_transcript,
     transcript_ids,
 )
-from verl.utils.tiny_lm import TinyLMSpec, build_char_tokenizer
+from verl.tasks.tiny_lm import TinyLMSpec, build_char_tokenizer
 from verl.workers.reward.function import REWARD_FUNCTIONS, toolchain_reward
 from verl.workers.rollout.multi_turn import pack
 

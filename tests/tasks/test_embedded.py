@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from verl.utils.embedded import (
+from verl.tasks.embedded import (
     PICK_WINDOW,
     TASKS,
     arithmetic_answer,
@@ -51,8 +51,8 @@ def test_teacher_forced_accuracy_equals_greedy_decoding():
     """greedy_accuracy's shortcut (argmax right at every answer position, given the right prefix)
     equals exact-match greedy generation. A tiny model memorises 6 rows, so some of the 12 rows
     scored are right and some wrong."""
-    from verl.utils.embedded import _encode
-    from verl.utils.tiny_lm import TinyLMSpec, build_char_tokenizer, build_tiny_qwen2
+    from verl.tasks.embedded import _encode
+    from verl.tasks.tiny_lm import TinyLMSpec, build_char_tokenizer, build_tiny_qwen2
 
     tok = build_char_tokenizer()
     torch.manual_seed(0)
@@ -173,8 +173,8 @@ def test_the_pair_is_chosen_by_accuracy_targets_and_cached(tmp_path):
     replays them from the curve, and reused on the next call."""
     from safetensors.torch import load_file
 
-    from verl.utils.embedded import SFTSpec, build_embedded
-    from verl.utils.tiny_lm import TinyLMSpec, build_char_tokenizer, build_tiny_qwen2
+    from verl.tasks.embedded import SFTSpec, build_embedded
+    from verl.tasks.tiny_lm import TinyLMSpec, build_char_tokenizer, build_tiny_qwen2
 
     spec = SFTSpec(TinyLMSpec(hidden_size=64, num_hidden_layers=1, vocab_size=128, seed=3),
                    {"start": 0.0, "end": 1.0}, max_steps=6, eval_every=2, batch_size=8)  # fmt: skip
@@ -210,7 +210,7 @@ def test_runsum_reward_reads_the_final_answer_in_its_format():
 
 
 def test_all_fail_share_hand_values():
-    from verl.utils.embedded import all_fail_share
+    from verl.tasks.embedded import all_fail_share
 
     # rows succeeding with 0.5 and 0.0, groups of 2: (0.5² + 1²) / 2 = (0.25 + 1) / 2 = 0.625
     assert all_fail_share(torch.tensor([0.5, 0.0]), 2) == pytest.approx(0.625, abs=1e-12)
