@@ -448,13 +448,13 @@ def run_once(args: list[str], run_dir: Path, dest: Path, steps: int) -> bool:
     return not same
 
 
-def run_plan(models: dict[str, str], guidance: str, cells: list[Cell], seeds: int, steps: int,
+def run_plan(models: dict[str, str], guidance: str, cells: list[Cell], seeds: range, steps: int,
              val_freq: int, out: Path, runs: Path, budget_s: float, picks: dict[str, float],
              extra: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
     """Runs every (seed, draft, cell) not already complete, seed by seed, each at its cell's
     tuned learning rate (`picks`), until the budget is spent; returns the runs left out."""
     start, skipped = time.perf_counter(), []
-    for seed in range(seeds):
+    for seed in seeds:
         for draft, path in models.items():
             for cell in (c for c in cells if draft in c.drafts):
                 if time.perf_counter() - start > budget_s:
@@ -587,7 +587,9 @@ def main(argv: list[str] | None = None) -> int:
         "--cells", default=None, help=f"of: {', '.join(CELL_NAMES)} (default: the task's)"
     )
     parser.add_argument("--drafts", default=None, help="default: every draft of the task")
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. SEEDS-1")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="start at this seed (the earlier ones' logs already under --out)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--val-freq", type=int, default=5)
     parser.add_argument("--budget-min", type=float, default=90.0, help="start no run after this")
@@ -629,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         (args.out / "models.json").write_text(json.dumps(accuracy, indent=1))
         budget = 60 * args.budget_min - (time.perf_counter() - start)
-        skipped = run_plan(models, guidance, cells, args.seeds, args.steps, args.val_freq, args.out,
+        seeds = range(args.first_seed, args.seeds)
+        skipped = run_plan(models, guidance, cells, seeds, args.steps, args.val_freq, args.out,
                            args.runs, budget, picks, extra)  # fmt: skip
         if skipped:
             print(f"budget spent; not run: {', '.join(skipped)}")

@@ -245,7 +245,7 @@ def test_run_plan_runs_each_cell_at_its_tuned_lr(tmp_path, monkeypatch):
     )
     picks = {"grpo": 5e-5, "spec_exact": 2e-4, "mix": 1e-4, "mentor": 3e-4}
     E.run_plan(
-        {"weak": "/d"}, "/g", list(E.CELLS), 1, 4, 2, tmp_path, tmp_path / "runs", 1e9, picks
+        {"weak": "/d"}, "/g", list(E.CELLS), range(1), 4, 2, tmp_path, tmp_path / "runs", 1e9, picks
     )
     lrs = {
         c: float(next(a for a in args if "optim.lr=" in a).split("=")[1])
