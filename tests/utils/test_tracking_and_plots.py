@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from verl.tools.plot_metrics import plot_run, read_log
+from verl.tools.plot_metrics import panels, plot_run, read_log
 from verl.utils.tracking import Tracking
 
 
@@ -60,6 +60,22 @@ def test_plots_cover_reward_guidance_mismatch_distill_and_weights(tmp_path):
     cli = subprocess.run([sys.executable, "-m", "verl.tools.plot_metrics", str(tmp_path)], capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert cli.returncode == 0 and "reward.png" in cli.stdout
+
+
+def test_panels_read_first_what_guidance_did_and_name_the_metrics_that_stayed_zero():
+    series = {name: [(1, 0.0), (2, value)] for name, value in {
+        "guidance/is_clip_frac": 0.0, "guidance/missing_logprob_ratio": 0.0,
+        "guidance/draft_lookup_ratio": 0.0, "guidance/accept_rate": 0.6,
+        "guidance/behavior_kl": 0.02, "guidance/lambda": 0.5, "guidance/is_weight_mean": 1.1,
+        "guidance/zeta_unlisted": 0.3, "critic/score/mean": 0.4}.items()}  # fmt: skip
+    layout = panels(series)
+    drawn, zero = layout["guidance"]
+    # FIRST's order, then the rest by name; is_weight_mean is drawn with the importance weights
+    assert drawn == ["guidance/lambda", "guidance/accept_rate", "guidance/behavior_kl",
+                     "guidance/zeta_unlisted"]  # fmt: skip
+    assert zero == ["guidance/draft_lookup_ratio", "guidance/missing_logprob_ratio"]
+    assert layout["importance_weights"] == (["guidance/is_weight_mean"], ["guidance/is_clip_frac"])
+    assert layout["reward"] == (["critic/score/mean"], [])
 
 
 SAMPLES = [{"prompt": "7+8=", "response": "15", "ground_truth": "15", "score": 1.0},
