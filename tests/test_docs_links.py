@@ -62,3 +62,19 @@ def test_relative_links_resolve(doc):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(target)
     assert not broken, f"{doc}: {broken}"
+
+
+def test_the_manuals_contents_line_lists_every_section():
+    """README_guidance.md's "Contents:" paragraph links every `## ` section, in order."""
+    path = ROOT / "README_guidance.md"
+    text = path.read_text()
+    start = text.index("Contents: ")
+    contents = text[start : text.index("\n\n", start)]
+    linked = re.findall(r"\]\(#([^)]+)\)", contents)
+    fenced, sections = False, []
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("## "):
+            sections.append(slug(line[3:]))
+    assert linked == sections
