@@ -140,6 +140,15 @@ def test_targets_are_checked_against_the_model_in_one_line(tiny, lora, message):
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
+def test_the_valid_names_leave_out_a_tied_head(tiny):
+    """The embedded model ties its LM head to the embeddings, so `lm_head` is refused as a
+    target and is not among the names the error offers."""
+    with pytest.raises(ValueError) as error:
+        L.check_lora_targets(LoraConfig(rank=4, target_modules="foo_proj"), tiny)
+    valid = str(error.value).split("Linear names: ")[1].split(", ")
+    assert "lm_head" not in valid and {"q_proj", "down_proj"} <= set(valid)
+
+
 def test_valid_targets_pass(tiny):
     L.check_lora_targets(LoraConfig(rank=64), tiny)
     L.check_lora_targets(LoraConfig(rank=8, target_modules="q_proj,v_proj,up_proj"), tiny)
