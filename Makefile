@@ -13,6 +13,15 @@ DOTTED_VARS := $(strip $(foreach v,$(.VARIABLES),$(if $(findstring command line,
 ifneq ($(and $(filter demo,$(MAKECMDGOALS)),$(DOTTED_VARS)),)
 $(error make demo $(firstword $(DOTTED_VARS))=$($(firstword $(DOTTED_VARS))): make takes key=value as a make variable and drops it; valid: make demo ARGS="$(foreach v,$(DOTTED_VARS),$(v)=$($(v)))")
 endif
+# Any other command-line variable this Makefile does not read (`make demo max_steps=5`, a key
+# without its section) is refused too, with the key's full name looked up in configs/defaults.yaml.
+MAKE_VARS := VENV PYTEST_ARGS PYTEST_WORKERS ARGS GPU_CHECK_ARGS EVIDENCE_ARGS
+STRAY_VAR := $(firstword $(filter-out $(MAKE_VARS) $(DOTTED_VARS),$(foreach v,$(.VARIABLES),$(if $(findstring command line,$(origin $(v))),$(v)))))
+ifneq ($(and $(filter demo,$(MAKECMDGOALS)),$(STRAY_VAR)),)
+FULL_KEYS := $(shell awk -v k='$(STRAY_VAR)' 'match($$0, /^ */) { d = RLENGTH / 2; n = substr($$0, RLENGTH + 1); if (n ~ /^[A-Za-z_0-9]+:/) { split(n, a, ":"); p[d] = a[1]; if (a[1] == k) { s = p[0]; for (i = 1; i <= d; i++) s = s "." p[i]; print s } } }' configs/defaults.yaml)
+ALTS := $(subst " make demo," or make demo,$(foreach k,$(FULL_KEYS),make demo ARGS="$(k)=$($(STRAY_VAR))"))
+$(error make demo $(STRAY_VAR)=$($(STRAY_VAR)): not a variable of this Makefile, so make would drop it; valid: $(or $(ALTS),make demo ARGS="<section>.$(STRAY_VAR)=$($(STRAY_VAR))" with the key's full name from configs/defaults.yaml), or a Makefile variable ($(MAKE_VARS)))
+endif
 
 .PHONY: env demo test test-unit test-vllm test-e2e gpu-check lint format bench evidence clean
 

@@ -15,7 +15,11 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 source "$ROOT/scripts/launcher_gpus.sh" 1  # checks N_GPUS, GUIDANCE_GPUS, NNODES; sets TRAIN_GPUS
 OVERLAYS=(config="$ROOT/configs/guide_failing.yaml")
 NAME=guide_failing
-if [ "${PREFIX:-0}" = "1" ]; then OVERLAYS+=(config="$ROOT/configs/teacher_prefix.yaml"); NAME=teacher_prefix; fi
+source "$ROOT/scripts/launcher_flags.sh"
+if flag_on PREFIX "0 (default: no teacher prefix) or 1 (teacher prefixes, configs/teacher_prefix.yaml)"; then
+    OVERLAYS+=(config="$ROOT/configs/teacher_prefix.yaml")
+    NAME=teacher_prefix
+fi
 ${PYTHON:-python3} -m verl.trainer.main \
     config="$ROOT/examples/qwen2_5_math.yaml" "${OVERLAYS[@]}" \
     worker.rollout.n=8 \

@@ -12,8 +12,11 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 source "$ROOT/scripts/launcher_gpus.sh" 1  # checks N_GPUS, GUIDANCE_GPUS, NNODES; sets TRAIN_GPUS
+source "$ROOT/scripts/launcher_flags.sh"
 OVERLAY=mentor
-if [ "${EXACT:-0}" = "1" ]; then OVERLAY=mentor_exact; fi
+if flag_on EXACT "0 (default: MENTOR as published, configs/mentor.yaml) or 1 (exact truncated importance weights, configs/mentor_exact.yaml)"; then
+    OVERLAY=mentor_exact
+fi
 ${PYTHON:-python3} -m verl.trainer.main \
     config="$ROOT/examples/qwen2_5_math.yaml" config="$ROOT/configs/$OVERLAY.yaml" \
     worker.rollout.n=12 \

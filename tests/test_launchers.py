@@ -210,3 +210,16 @@ def test_a_dry_run_never_imports_tensordict():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("name", "env", "start"),
+    [("qwen2_5_1_5b_math_mentor.sh", {"EXACT": "yes"}, "error: EXACT=yes is not valid; expected 0 (default: MENTOR"),
+     ("qwen2_5_1_5b_math_guide_failing.sh", {"PREFIX": "2"}, "error: PREFIX=2 is not valid; expected 0 (default: no")],
+)  # fmt: skip
+def test_an_on_off_variable_takes_0_or_1_only(name, env, start):
+    """scripts/launcher_flags.sh: EXACT=yes would otherwise run the other recipe."""
+    proc = dry_run(ROOT / "examples" / name, **env)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith(start) and "or 1 (" in proc.stderr, proc.stderr

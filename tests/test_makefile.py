@@ -47,3 +47,22 @@ def test_a_bare_override_after_make_demo_is_refused_in_one_line():
 
 def test_readme_shows_the_args_form():
     assert 'make demo ARGS="trainer.max_steps=5"' in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("var", "valid"),
+    [("max_steps=5", 'valid: make demo ARGS="trainer.max_steps=5", or a Makefile variable (VENV '),
+     ("dtype=float32", 'valid: make demo ARGS="worker.rollout.dtype=float32" or make demo '
+                       'ARGS="worker.rollout.offpolicy_guidance.dtype=float32", or'),
+     ("nokey=1", 'valid: make demo ARGS="<section>.nokey=1" with the key\'s full name')],
+)  # fmt: skip
+def test_a_key_without_its_section_after_make_demo_is_refused_with_its_full_name(var, valid):
+    """A command-line variable the Makefile does not read (a key without a dot) would be dropped;
+    its full dotted name comes from configs/defaults.yaml."""
+    proc = make_n("demo", var)
+    assert proc.returncode == 2 and proc.stdout == ""
+    err = proc.stderr.strip()
+    assert err.splitlines() == [err]
+    assert (
+        f"make demo {var}: not a variable of this Makefile, so make would drop it; {valid}" in err
+    )

@@ -39,6 +39,13 @@ def tiny(assets):
             f"{GUIDANCE}.model_path={assets['guidance']}"]  # fmt: skip
 
 
+def replacing(args: list[str], override: str) -> list[str]:
+    """`args` with `override` in place of the argument that sets the same key (a key given twice
+    would add a warning line: `test_empty_and_repeated_overlays_and_repeated_keys_are_said`)."""
+    key = override.split("=", 1)[0] + "="
+    return [a for a in args if not a.startswith(key)] + [override]
+
+
 def error_line(capsys) -> str:
     """The one line main() wrote to stderr (asserted to be one)."""
     err = capsys.readouterr().err.strip()
@@ -131,8 +138,8 @@ def _string_keys(path: Path, function: str) -> set[str]:
 
 
 def test_the_valid_fields_are_the_ones_the_code_applies():
-    rollout = ROOT / "verl" / "workers" / "rollout" / "vllm_rollout_spmd.py"
-    assert _string_keys(rollout, "_guidance_processing") == set(GUIDANCE_SAMPLING_FIELDS)
+    context = ROOT / "verl" / "workers" / "rollout" / "context.py"
+    assert _string_keys(context, "guidance_processing") == set(GUIDANCE_SAMPLING_FIELDS)
     trainer = ROOT / "verl" / "trainer" / "ray_trainer.py"
     assert set(VAL_OVERRIDE_FIELDS) <= _string_keys(trainer, "validate")
 
@@ -277,7 +284,7 @@ def test_dry_run_checks_models_data_and_reward_and_says_so(tiny, assets, tmp_pat
      ("data.format_prompt=/nowhere/t.jinja", "error: data.format_prompt: file '/nowhere/t.jinja' not found")],
 )  # fmt: skip
 def test_dry_run_fails_in_one_line_on_what_a_run_could_not_load(arg, start, tiny, offline, capsys):
-    assert main(["--dry-run", *tiny, arg]) == 2
+    assert main(["--dry-run", *replacing(tiny, arg)]) == 2
     assert error_line(capsys).startswith(start)
 
 
@@ -304,15 +311,226 @@ def test_dry_run_names_a_missing_reward_function(tiny, assets, capsys):
 
 
 def test_dry_run_passes_a_hub_id_not_cached_here_unless_offline(tiny, offline, monkeypatch, capsys):
-    args = [
-        "--dry-run",
-        *tiny,
-        f"{GUIDANCE}.model_path=Org/big-guidance",
-        "data.val_files=Org/math@test",
-    ]
+    args = ["--dry-run", *replacing(tiny, f"{GUIDANCE}.model_path=Org/big-guidance"),
+            "data.val_files=Org/math@test"]  # fmt: skip
     assert main(args) == 2  # HF_HUB_OFFLINE: the run could not download them
     assert "HF_HUB_OFFLINE forbids a download" in error_line(capsys)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     assert main(args) == 0
     closing = capsys.readouterr().out.splitlines()[-1]
     assert closing.endswith("; not cached here, downloaded by the run: Org/big-guidance, Org/math@test; nothing loaded")  # fmt: skip
+
+
+# ------------------------------------------------------------------ 10. values handed to vLLM or torch
+
+
+@pytest.mark.parametrize(
+    ("arg", "hint"),
+    [("worker.rollout.dtype=bf16", " ('bf16' is written 'bfloat16')"), ("worker.rollout.dtype=foo", ""),
+     (f"{GUIDANCE}.dtype=fp16", " ('fp16' is written 'float16')"),
+     ("worker.actor.fsdp.mp_param_dtype=bf16", " ('bf16' is written 'bfloat16')")],
+)  # fmt: skip
+def test_a_dtype_the_engine_does_not_take_is_refused(arg, hint, capsys):
+    key, value = arg.split("=")
+    assert main(["--dry-run", GUIDED, arg]) == 2
+    err = error_line(capsys)
+    assert err.startswith(f"error: {key}={value!r} is not valid; valid: ") and err.endswith(hint)
+    assert "bfloat16" in err and ("auto, half, float16, bfloat16, float, float32" in err) == (
+        "rollout" in key
+    )
+
+
+def test_the_rollout_dtypes_are_vllms():
+    """VLLM_DTYPES is vLLM's `ModelDType` (read from its source: importing vLLM takes seconds)."""
+    import importlib.util
+    import re
+
+    from verl.workers.rollout.config import VLLM_DTYPES
+
+    origin = importlib.util.find_spec("vllm").submodule_search_locations[0]
+    source = Path(origin, "config", "model.py").read_text()
+    literal = re.search(r"^ModelDType = Literal\[(.*?)\]", source, re.M | re.S).group(1)
+    assert tuple(re.findall(r'"([^"]+)"', literal)) == VLLM_DTYPES
+
+
+# ------------------------------------------------------------------ 11. this machine, the run's folders
+
+
+def test_cuda_without_a_gpu_is_refused_unless_a_cluster_runs_it(tiny, monkeypatch, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["--dry-run", *tiny, "trainer.device=cuda"]) == 2
+    err = error_line(capsys)
+    assert err.startswith(
+        "error: trainer.device='cuda' is not valid; this machine has no CUDA device"
+    )
+    assert "valid here: cpu, auto" in err and "RAY_ADDRESS" in err
+    monkeypatch.setenv("RAY_ADDRESS", "head:6379")  # the driver of a GPU cluster may have none
+    assert main(["--dry-run", *tiny, "trainer.device=cuda"]) == 0
+
+
+def test_flash_attention_without_cuda_is_refused_by_the_dry_run(tiny, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert (
+        main(["--dry-run", *tiny, "worker.actor.model.attn_implementation=flash_attention_2"]) == 2
+    )
+    assert error_line(capsys) == ("error: worker.actor.model.attn_implementation='flash_attention_2' "
+                                  "cannot be used: this process has no CUDA device; valid here: auto, sdpa, eager")  # fmt: skip
+
+
+def test_a_checkpoint_folder_that_cannot_be_written_is_refused(tiny, tmp_path, monkeypatch, capsys):
+    (tmp_path / "a_file").write_text("")
+    assert (
+        main(["--dry-run", *tiny, f"trainer.save_checkpoint_path={tmp_path / 'a_file' / 'ckpt'}"])
+        == 2
+    )
+    assert f"is not valid; {tmp_path / 'a_file'} is a file, not a folder" in error_line(capsys)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    access = os.access  # root ignores the mode bits: os.access answers as a user would be answered
+    monkeypatch.setattr(os, "access", lambda p, mode: access(p, mode) and Path(p) != locked)
+    assert main(["--dry-run", *tiny, f"trainer.save_checkpoint_path={locked / 'run'}"]) == 2
+    err = error_line(capsys)
+    assert err.startswith(f"error: trainer.save_checkpoint_path='{locked / 'run'}' is not valid; {locked} "
+                          "is not writable by this user")  # fmt: skip
+
+
+def test_a_resume_path_is_checked_by_the_dry_run(tiny, tmp_path, capsys):
+    assert main(["--dry-run", *tiny, "trainer.resume=/nonexistent"]) == 2
+    err = error_line(capsys)
+    assert err.startswith(
+        "error: trainer.resume='/nonexistent' is not valid; no such folder; valid: auto"
+    )
+    (tmp_path / "global_step_3" / "actor").mkdir(parents=True)  # a save that did not finish
+    assert main(["--dry-run", *tiny, f"trainer.resume={tmp_path / 'global_step_3'}"]) == 2
+    assert "not a complete checkpoint: " in error_line(capsys)
+    (tmp_path / "global_step_3" / "actor" / "COMPLETE").write_text("")
+    assert main(["--dry-run", *tiny, f"trainer.resume={tmp_path / 'global_step_3'}"]) == 0
+
+
+# ------------------------------------------------------------------ 12. reward arguments, LoRA before the build
+
+
+def test_a_reward_argument_the_function_does_not_take_is_refused(tiny, assets, capsys):
+    assert main(["--dry-run", *tiny, "worker.reward.reward_function_kwargs.foo=1"]) == 2
+    assert error_line(capsys) == ("error: worker.reward.reward_function_kwargs.foo=1 is not valid; "
+                                  "worker.reward.reward_function='arithmetic' takes no argument 'foo'; "
+                                  "valid: none (it takes no keyword arguments)")  # fmt: skip
+    args = [
+        *tiny,
+        "worker.reward.reward_function=math",
+        "worker.reward.reward_function_kwargs={foo: 1}",
+    ]
+    assert main(["--dry-run", *args]) == 2
+    assert error_line(capsys).endswith("takes no argument 'foo'; valid: format_weight")
+    kwargs = "worker.reward.reward_function_kwargs={format_weight: 0.1}"
+    assert main(["--dry-run", *tiny, "worker.reward.reward_function=math", kwargs]) == 0
+
+
+def test_lora_targets_on_an_embedded_model_are_checked_before_it_is_built(capsys):
+    """The guided example's draft is built by the run (.cache/embedded): its module names come
+    from the task's model spec, before any build."""
+    args = ["--dry-run", GUIDED, f"{LORA}.rank=4", f"{LORA}.target_modules=foo_proj"]
+    assert main(args) == 2
+    err = error_line(capsys)
+    assert err.startswith(f"error: {LORA}.target_modules: 'foo_proj' names no module of ")
+    assert "valid: all-linear or Linear names: down_proj, gate_proj, k_proj" in err
+
+
+# ------------------------------------------------------------------ 13. user files that do not import or read
+
+
+@pytest.mark.parametrize(
+    ("body", "what"),
+    [("def f(x):\n    return (\n", "2: SyntaxError: '(' was never closed"),
+     ("import nowhere_pkg_48\n", "1: importing it raised ModuleNotFoundError: No module named 'nowhere_pkg_48'")],
+)  # fmt: skip
+@pytest.mark.parametrize("key", ["reward", "tool"])
+def test_a_user_file_that_does_not_import_names_its_line(key, body, what, tiny, tmp_path, capsys):
+    bad = tmp_path / "user.py"
+    bad.write_text(body)
+    if key == "reward":
+        args, name = [f"worker.reward.reward_function={bad}:f"], "worker.reward.reward_function"
+    else:
+        args = [
+            "worker.rollout.multi_turn.enable=true",
+            f"worker.rollout.multi_turn.tools=[{bad}:f]",
+        ]
+        name = "worker.rollout.multi_turn.tools"
+    assert main(["--dry-run", *tiny, *args]) == 2
+    err = error_line(capsys)
+    assert err.startswith(f"error: {name}=") and err.endswith(f"does not resolve: {bad}:{what}")
+
+
+def test_a_config_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch, capsys):
+    from omegaconf import OmegaConf
+
+    locked = tmp_path / "locked.yaml"
+    locked.write_text("trainer:\n  max_steps: 2\n")
+    locked.chmod(0o000)
+    if os.geteuid() == 0:  # root reads it anyway: the error a user gets, raised where it would be
+        load = OmegaConf.load
+
+        def refuse(path):
+            if str(path) == str(locked):
+                raise PermissionError(13, "Permission denied", str(path))
+            return load(path)
+
+        monkeypatch.setattr(OmegaConf, "load", refuse)
+    assert main(["--dry-run", GUIDED, f"config={locked}"]) == 2
+    assert error_line(capsys) == (f"error: config file '{locked}' cannot be read: Permission denied; "
+                                  "valid: a readable YAML file")  # fmt: skip
+
+
+def test_a_data_file_that_cannot_be_parsed_is_one_line(tmp_path, tiny, capsys):
+    bad = tmp_path / "train.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": broken\n')
+    assert main([*tiny, f"data.train_files={bad}"]) == 2  # a real run: rows are read before Ray
+    assert error_line(capsys).startswith(
+        f"error: data.train_files: '{bad}' cannot be read: ArrowInvalid: "
+    )
+
+
+def test_a_batch_larger_than_the_data_is_the_only_line(tmp_path, tiny, capsys):
+    """No progress bar of the data loading before the error."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "1+2=", "answer": "3"}\n')
+    args = [*tiny, f"data.train_files={data}", "data.rollout_batch_size=8", "worker.rollout.n=2"]
+    assert main(args) == 2
+    assert error_line(capsys) == (f"error: data.rollout_batch_size=8 is larger than the 2 usable training "
+                                  f"prompts of '{data}'; valid: 1..2 (prompts per step)")  # fmt: skip
+
+
+# ------------------------------------------------------------------ 14. the command line's own form
+
+
+def test_empty_and_repeated_overlays_and_repeated_keys_are_said(tmp_path, capsys):
+    """Accepted (the launchers put their keys first and the user's after, the last winning), each
+    with one warning line."""
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    otb = ROOT / "configs" / "otb.yaml"
+    args = ["--dry-run", GUIDED, f"config={empty}", f"config={otb}", f"config={otb}",
+            "worker.rollout.n=4", "worker.rollout.n=8", "trainer.max_steps=2", "trainer.max_steps=2"]  # fmt: skip
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"warning: config file {otb} is given twice; it is merged again where it reappears, over the files before it",
+        "warning: worker.rollout.n is given twice on the command line (worker.rollout.n=4, then "
+        "worker.rollout.n=8); the last wins: 8",
+        f"warning: config file {empty} is empty: it sets nothing",
+    ]  # fmt: skip
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.create(captured.out).worker.rollout.n == 8
+
+
+def test_a_list_key_given_one_name_says_the_list_form(capsys):
+    assert main(["--dry-run", GUIDED, "trainer.logger=console"]) == 2
+    assert error_line(capsys) == ("error: trainer.logger='console' is not valid; expected a list: "
+                                  "trainer.logger=[console] (several: trainer.logger=[a,b]; in YAML, a list)")  # fmt: skip

@@ -11,6 +11,7 @@ value and the valid choices, before Ray or any engine starts.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
@@ -452,6 +453,10 @@ def _explain(error: OmegaConfBaseException) -> str:
         except Exception:  # the parent itself may be the unknown part
             pass
         return f"unknown config key '{key}'{valid}"
+    if "is not a ListConfig" in msg:  # a scalar where the schema holds a list
+        value = getattr(error, "value", None)
+        return (f"{key}={value!r} is not valid; expected a list: {key}=[{value}] "
+                f"(several: {key}=[a,b]; in YAML, a list)")  # fmt: skip
     return f"{key}: {msg}"
 
 
@@ -500,14 +505,19 @@ def _parse_dotlist(schema: DictConfig, dotlist: Sequence[str]) -> DictConfig:
 
 
 def _load_yaml(path: str) -> DictConfig:
-    """A config file as a DictConfig; ConfigError in one line for a missing file, a YAML syntax
-    error (file, line and column) or a file that is not a mapping of keys."""
+    """A config file as a DictConfig; ConfigError in one line for a missing or unreadable file, a
+    YAML syntax error (file, line and column) or a file that is not a mapping of keys."""
     import yaml
 
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} not found")
     try:
         loaded = OmegaConf.load(path)
+    except (OSError, UnicodeDecodeError) as error:  # no read permission, not text
+        why = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+        raise ConfigError(
+            f"config file {path!r} cannot be read: {why}; valid: a readable YAML file"
+        ) from None
     except yaml.YAMLError as error:
         mark, start = getattr(error, "problem_mark", None), getattr(error, "context_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
@@ -520,6 +530,35 @@ def _load_yaml(path: str) -> DictConfig:
     return loaded
 
 
+def split_args(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(config files, `key=value` overrides) of the command line's arguments, in order.
+
+    ConfigError in one line for an argument without `=`. The last value of a key given twice
+    wins, as the launchers rely on (their keys first, then the user's `"$@"`), with one warning
+    line naming both values; so does a config file given twice (merged again where it
+    reappears)."""
+    yaml_paths, dotlist, seen = [], [], {}
+    for arg in args:
+        if "=" not in arg:
+            raise ConfigError(
+                f"argument {arg!r} is not of the form key=value (e.g. worker.rollout.n=8)"
+            )
+        key, value = arg.split("=", 1)
+        key = key.strip()
+        if key == "config":
+            if os.path.abspath(value) in map(os.path.abspath, yaml_paths):
+                print(f"warning: config file {value} is given twice; it is merged again where it "
+                      "reappears, over the files before it", file=sys.stderr)  # fmt: skip
+            yaml_paths.append(value)
+            continue
+        if key in seen and seen[key] != value:
+            print(f"warning: {key} is given twice on the command line ({key}={seen[key]}, then "
+                  f"{arg}); the last wins: {value}", file=sys.stderr)  # fmt: skip
+        seen[key] = value
+        dotlist.append(arg)
+    return yaml_paths, dotlist
+
+
 def load_config(args: Sequence[str] = (), overrides: dict[str, Any] | None = None) -> PPOConfig:
     """Parse `config=path.yaml` and `a.b=c` arguments (and a dict of overrides) into a PPOConfig.
 
@@ -527,21 +566,16 @@ def load_config(args: Sequence[str] = (), overrides: dict[str, Any] | None = Non
     wrong type or an invalid value.
     """
     schema = OmegaConf.structured(PPOConfig)
-    dotlist, yaml_paths = [], []
-    for arg in args:
-        if "=" not in arg:
-            raise ConfigError(
-                f"argument {arg!r} is not of the form key=value (e.g. worker.rollout.n=8)"
-            )
-        if arg.startswith("config="):
-            yaml_paths.append(arg.split("=", 1)[1])
-        else:
-            dotlist.append(arg)
+    yaml_paths, dotlist = split_args(args)
     user_keys: set[str] = set()
     try:
         merged = schema
         for yaml_path in yaml_paths:  # a base, then overlays (configs/*.yaml), in order
             layer = _load_yaml(yaml_path)
+            if not layer:
+                print(
+                    f"warning: config file {yaml_path} is empty: it sets nothing", file=sys.stderr
+                )
             user_keys |= _dotted_keys(layer)
             merged = OmegaConf.merge(merged, layer)
         if dotlist:

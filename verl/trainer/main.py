@@ -29,15 +29,19 @@ usage: python -m verl.trainer.main [config=FILE.yaml ...] [key=value ...] [--dry
 
   config=FILE.yaml  a YAML config; repeat it for overlays, merged in order
                     (config=examples/grpo_guided.yaml config=configs/otb.yaml)
-  key=value         set one key after the files (worker.rollout.n=8; data.val_files= : empty)
+  key=value         set one key after the files (worker.rollout.n=8; data.val_files= : empty;
+                    each key once; a list as trainer.logger=[console,wandb])
   --dry-run         check without loading or starting anything, print the final config, and
                     end with one '# dry run:' line saying what was checked: the config; every
                     model path (a folder with config.json or a hub id in the local cache; a hub
                     id or name@split not cached here passes as one the run downloads, unless
                     HF_HUB_OFFLINE=1; an embedded model not built yet passes, the run builds it;
-                    a local path that does not exist fails); every data source (file, folder,
-                    embedded task or name@split; rows are not read); the reward functions (a
-                    reward file is imported, the function looked up); the format-prompt file.
+                    a local path that does not exist fails; LoRA targets against the model's
+                    config); every data source (file, folder, embedded task or name@split; rows
+                    are not read); the reward functions (a reward file is imported, the function
+                    looked up, reward_function_kwargs checked on its signature); the
+                    format-prompt file; this machine (trainer.device=cuda, flash_attention_2);
+                    the run's folders (save_checkpoint_path writable, trainer.resume complete).
                     Weights, tokenizers and rows are left to the run.
   -h, --help        this text
 
@@ -134,8 +138,10 @@ def check_models(config: PPOConfig) -> None:
 
 def resolve_rewards(config: PPOConfig) -> list[str]:
     """Check that `worker.reward.reward_function` (and `val_reward_function` when set) resolve: a
-    built-in name, or a file that defines the function (the file is imported). Returns the
-    specs; ConfigError in one line naming the key otherwise."""
+    built-in name, or a file that defines the function (the file is imported), callable with
+    `reward_function_kwargs` (its signature). Returns the specs; ConfigError in one line naming
+    the key otherwise."""
+    from verl.trainer.validate import check_reward_kwargs
     from verl.workers.reward.function import load_reward_function
 
     specs = []
@@ -144,10 +150,11 @@ def resolve_rewards(config: PPOConfig) -> list[str]:
         if spec is None and name == "val_reward_function":
             continue
         try:
-            load_reward_function(spec)
+            fn = load_reward_function(spec)
         except (ValueError, FileNotFoundError, AttributeError) as error:
             why = str(error).removeprefix("worker.reward.reward_function: ")
             raise ConfigError(f"{key}={spec!r} does not resolve: {why}") from None
+        check_reward_kwargs(fn, config.worker.reward.reward_function_kwargs, spec, key)
         specs.append(spec)
     return specs
 
@@ -186,14 +193,20 @@ def check_inputs(config: PPOConfig, download: bool = False) -> str:
     """Check what a run would load, loading nothing: model paths, data sources, reward functions,
     the format-prompt file (`--dry-run`; USAGE says how). `prepare` runs it first with `download`
     (hub ids and datasets not cached are fetched, as the run needs them), so a bad input fails at
-    once. Returns the dry run's closing line; a failure raises a one-line error naming the key."""
+    once. This machine and the run's folders are checked first (`verl.trainer.validate`).
+    Returns the dry run's closing line; a failure raises a one-line error naming the key."""
+    from verl.trainer.validate import check_embedded_lora, check_machine, check_run_paths
     from verl.utils.model_path import config_model_paths, resolve_model_path
 
+    check_machine(config)
+    check_run_paths(config)
     unbuilt, pending, built_later = _unbuilt_embedded(config), [], []
     models = config_model_paths(config)
     for key, value in models:
         if value in unbuilt:
             built_later.append(value)
+            if key == "worker.actor.model.model_path":  # LoRA from the model's spec
+                check_embedded_lora(config, value, unbuilt[value])
             continue
         path = resolve_model_path(value, key, download=download)
         if path is None:
@@ -235,8 +248,7 @@ def prepare(config: PPOConfig) -> Prepared:
             "(`ray start --head` here, `ray start --address=<head>:6379` on the other nodes) and "
             "set RAY_ADDRESS=<head>:6379"
         )
-    _check_attn_implementation(config)  # this machine's own limit, before what the run loads
-    check_inputs(config, download=True)
+    check_inputs(config, download=True)  # this machine's own limits first, then what it loads
     check_models(config)
     actor_path = config.worker.actor.model.model_path
     tokenizer = AutoTokenizer.from_pretrained(
@@ -253,7 +265,8 @@ def prepare(config: PPOConfig) -> Prepared:
                         data.filter_overlong_prompts, key="data.val_files")  # fmt: skip
     if len(train) < data.rollout_batch_size:
         raise ValueError(f"data.rollout_batch_size={data.rollout_batch_size} is larger than the "
-                         f"{len(train)} usable training prompts of {data.train_files!r}")  # fmt: skip
+                         f"{len(train)} usable training prompts of {data.train_files!r}; valid: "
+                         f"1..{len(train)} (prompts per step)")  # fmt: skip
     reward = FunctionRewardManager(config.worker.reward, tokenizer)
     return Prepared(
         config,

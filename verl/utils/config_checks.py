@@ -16,11 +16,23 @@ def fail(key: str, value: Any, expected: str) -> None:
     raise ConfigError(f"{key}={value!r} is not valid; {expected}")
 
 
-def check_choice(key: str, value: Any, valid: Iterable[str]) -> None:
-    """`value` must be one of `valid` (pass a registry's names, never a hand-copied list)."""
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32",
+                 "f32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16",
+                 "torch.float32": "float32"}  # fmt: skip
+"""Common spellings of a dtype that torch and vLLM do not take as a string -> the name they take
+(`check_choice(..., aliases=DTYPE_ALIASES)` names it in the error)."""
+
+
+def check_choice(
+    key: str, value: Any, valid: Iterable[str], aliases: Mapping[str, str] | None = None
+) -> None:
+    """`value` must be one of `valid` (pass a registry's names, never a hand-copied list); a value
+    of `aliases` is refused too, the error naming the valid spelling it stands for."""
     valid = list(valid)
     if value not in valid:
-        fail(key, value, f"valid: {', '.join(valid)}")
+        meant = (aliases or {}).get(str(value).lower())
+        hint = f" ({value!r} is written {meant!r})" if meant in valid else ""
+        fail(key, value, f"valid: {', '.join(valid)}{hint}")
 
 
 def check_range(

@@ -98,7 +98,8 @@ def load_rows(spec: str, key: str = "data") -> list[dict]:
 
     bars, verbosity = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
     datasets.disable_progress_bars()  # "Generating train split" bars: not the run's output
-    datasets.logging.set_verbosity_critical()  # its log line of a failed read: the error says it
+    # its log line of a failed read would come before the error line, which says the same
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         return _read_rows(datasets, spec, source)
     except Exception as error:  # a malformed or unreadable file, an unknown split, ...

@@ -182,7 +182,9 @@ def check_lora_targets(lora, model_path: str, key: str = "worker.actor.model.lor
             bad = [n for n in hits if n not in linear]
             if not hits or bad:
                 tied = getattr(config, "tie_word_embeddings", False)
-                suffixes = sorted({n.rsplit(".", 1)[-1] for n in linear if not (tied and n == head)})
+                suffixes = sorted(
+                    {n.rsplit(".", 1)[-1] for n in linear if not (tied and n == head)}
+                )
                 what = "names no module" if not hits else f"is not a Linear ({bad[0]})"
                 raise ValueError(f"{key}.target_modules: {target!r} {what} of {model_path}; "
                                  f"valid: {ALL_LINEAR} or Linear names: {', '.join(suffixes)}")  # fmt: skip

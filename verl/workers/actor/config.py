@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from verl.trainer.core_algos.policy_loss import PolicyLossConfig
-from verl.utils.config_checks import check_choice, check_range, fail
+from verl.utils.config_checks import DTYPE_ALIASES, check_choice, check_range, fail
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
@@ -108,9 +108,9 @@ class FSDPConfig:
     def validate(self, prefix: str) -> None:
         """Fail fast on bad values."""
         if self.torch_dtype is not None:
-            check_choice(f"{prefix}.torch_dtype", self.torch_dtype, DTYPES)
-        check_choice(f"{prefix}.mp_param_dtype", self.mp_param_dtype, DTYPES)
-        check_choice(f"{prefix}.mp_reduce_dtype", self.mp_reduce_dtype, DTYPES)
+            check_choice(f"{prefix}.torch_dtype", self.torch_dtype, DTYPES, DTYPE_ALIASES)
+        check_choice(f"{prefix}.mp_param_dtype", self.mp_param_dtype, DTYPES, DTYPE_ALIASES)
+        check_choice(f"{prefix}.mp_reduce_dtype", self.mp_reduce_dtype, DTYPES, DTYPE_ALIASES)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from verl.trainer.core_algos.guidance import (
     TOPK_TARGETS,
 )
 from verl.trainer.core_algos.guide_when import GUIDE_WHEN, PREFIX_DRAWS
-from verl.utils.config_checks import check_choice, check_fields, check_range, fail
+from verl.utils.config_checks import DTYPE_ALIASES, check_choice, check_fields, check_range, fail
 from verl.workers.rollout.multi_turn.config import MultiTurnConfig
 
 TEACHER_SCORING = ("overlap", "prefill")
@@ -22,7 +22,10 @@ TEACHER_SCORING = ("overlap", "prefill")
 
 GUIDANCE_SAMPLING_FIELDS = ("temperature", "top_k", "top_p")
 """The fields `offpolicy_guidance.sampling_overrides` may set: the guidance processes its log-probs
-(and samples, in mix mode) with these and no other (`VLLMRollout._guidance_processing`)."""
+(and samples, in mix mode) with these and no other (`RolloutContext.guidance_processing`)."""
+
+VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+"""The dtypes `vllm.LLM(dtype=...)` takes (vLLM's `ModelDType`; a test compares the two)."""
 
 VAL_OVERRIDE_FIELDS = ("n", "temperature")
 """The fields `val_override_config` may set: validation reads these two (`RayPPOTrainer.validate`)."""
@@ -66,7 +69,7 @@ class OffPolicyGuidanceConfig:
     n_gpus_per_node: int = 0
     """GPUs per node of the guidance's own, one engine on each (0: colocated, on the draft replicas' GPUs)."""
     dtype: str = "bfloat16"
-    """Weights/activations dtype of the guidance engine (float32 on CPU)."""
+    """Weights/activations dtype of the guidance engine (VLLM_DTYPES; float32 on CPU)."""
     enforce_eager: bool | None = None
     """Guidance engine without torch.compile/CUDA graphs (None: the rollout's `enforce_eager`)."""
     logprobs: int = 256
@@ -128,6 +131,7 @@ class OffPolicyGuidanceConfig:
         check_choice(f"{prefix}.behavior", self.behavior, BEHAVIORS.names())
         check_choice(f"{prefix}.lam_schedule", self.lam_schedule, LAM_SCHEDULES.names())
         check_choice(f"{prefix}.teacher_scoring", self.teacher_scoring, TEACHER_SCORING)
+        check_choice(f"{prefix}.dtype", self.dtype, VLLM_DTYPES, DTYPE_ALIASES)
         check_range(f"{prefix}.lam", self.lam, 0.0, 1.0)
         check_range(f"{prefix}.lam_end", self.lam_end, 0.0, 1.0)
         check_range(
@@ -205,7 +209,7 @@ class RolloutConfig:
     seed: int = 1
     """Sampling seed."""
     dtype: str = "bfloat16"
-    """Weights/activations dtype of the draft engine (float32 on CPU)."""
+    """Weights/activations dtype of the draft engine (VLLM_DTYPES; float32 on CPU)."""
     gpu_memory_utilization: float = 0.6
     """Share of GPU memory the draft engine may use."""
     tensor_parallel_size: int = 1
@@ -246,6 +250,7 @@ class RolloutConfig:
     def validate(self, prefix: str) -> None:
         """Fail fast on bad values."""
         check_choice(f"{prefix}.name", self.name, ["vllm"])
+        check_choice(f"{prefix}.dtype", self.dtype, VLLM_DTYPES, DTYPE_ALIASES)
         check_range(f"{prefix}.n", self.n, 1)
         check_range(f"{prefix}.temperature", self.temperature, 0.0, low_open=True)
         check_range(f"{prefix}.top_p", self.top_p, 0.0, 1.0, low_open=True)
@@ -268,6 +273,7 @@ class RolloutConfig:
         if self.num_replicas is not None:
             check_range(f"{prefix}.num_replicas", self.num_replicas, 1)
         check_range(f"{prefix}.max_num_seqs", self.max_num_seqs, 1)
+        check_range(f"{prefix}.max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.kv_block_size is not None and (self.kv_block_size < 1 or self.kv_block_size % 16):
             fail(
                 f"{prefix}.kv_block_size",
