@@ -135,8 +135,8 @@ def test_both_engines_get_the_configured_chunked_prefill(tiny, chunked):
 @pytest.mark.parametrize("disable_tqdm", [True, False])
 def test_whole_response_generation_shows_vllms_bar_unless_disabled(disable_tqdm):
     """`disable_tqdm` reaches the draft engine's generate call (a recording stand-in engine)."""
-    from verl.workers.rollout.engine_lifecycle import _Engines
-    from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
+    from verl.workers.rollout.context import Engines, RolloutContext
+    from verl.workers.rollout.modes import draft_responses
 
     calls = []
 
@@ -145,11 +145,10 @@ def test_whole_response_generation_shows_vllms_bar_unless_disabled(disable_tqdm)
             calls.append(use_tqdm)
             return []
 
-    rollout = VLLMRollout.__new__(VLLMRollout)
-    rollout.config = RolloutConfig(disable_tqdm=disable_tqdm)
-    rollout.engines = _Engines(Recorder(), None)
-    rollout._temperature, rollout._ignore_eos, rollout.eos_token_id = 1.0, False, 2
-    assert rollout._draft_only([], []) == []
+    config = RolloutConfig(disable_tqdm=disable_tqdm)
+    ctx = RolloutContext(config, Engines(Recorder(), None), num_logprobs=1, eos_token_id=2,
+                         pad_token_id=0, max_tokens=8, temperature=1.0, ignore_eos=False)  # fmt: skip
+    assert draft_responses(ctx, [], []) == []
     assert calls == [not disable_tqdm]
 
 

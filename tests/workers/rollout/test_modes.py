@@ -7,6 +7,7 @@ import pytest
 
 from verl.workers.rollout.config import OffPolicyGuidanceConfig
 from verl.workers.rollout.modes import GENERATION_MODES, pick_mode
+from verl.workers.rollout.multi_turn_mode import MULTI_TURN_MODES  # registers the multi-turn modes
 
 
 def guidance(**fields) -> OffPolicyGuidanceConfig:
@@ -44,8 +45,6 @@ def test_every_mode_pick_mode_names_is_registered():
         "speculative",
         "teacher_only_prefill",
     ]
-    from verl.workers.rollout.multi_turn_mode import MULTI_TURN_MODES
-
     # every single-turn mode but mix has a multi-turn form (mix is refused with multi-turn)
     assert set(MULTI_TURN_MODES) == set(GENERATION_MODES.names()) - {"mix"} - set(
         MULTI_TURN_MODES.values()

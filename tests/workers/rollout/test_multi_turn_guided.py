@@ -153,11 +153,13 @@ def test_lambda_zero_scores_every_policy_token_by_prefill(guided, pair):
 def test_an_episode_keeps_its_sessions_across_turns(guided, monkeypatch):
     """Each episode opens its draft session once (the draft's sampling parameters are made only
     for a new session) and continues it turn after turn with the tool delta as new tokens."""
+    from verl.workers.rollout.context import RolloutContext
+
     rollout, tok = guided
     made = []
-    original = rollout._draft_params
+    original = RolloutContext.draft_params
     monkeypatch.setattr(
-        rollout, "_draft_params", lambda *a, **k: made.append(a) or original(*a, **k)
+        RolloutContext, "draft_params", lambda *a, **k: made.append(a) or original(*a, **k)
     )
     out = rollout.generate_sequences(prompt_batch(tok, PROMPTS))
     turns = int(out.batch["multiturn_num_turns"].sum())

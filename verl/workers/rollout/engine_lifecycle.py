@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
 from verl.workers.rollout.config import RolloutConfig
+from verl.workers.rollout.context import Engines
 from verl.workers.rollout.engine_config import check_same_tokenizer, engine_args, sleeps
-from verl.workers.rollout.guidance_server import GuidanceChannel, GuidanceClient, GuidanceProcess
+from verl.workers.rollout.guidance_server import GuidanceClient, GuidanceProcess
 from verl.workers.rollout.vllm_engine import (
     build_llm,
     close_llm,
@@ -32,12 +32,6 @@ from verl.workers.rollout.vllm_sessions import SessionEngine
 
 WAKE_ORDER = ("weights", "kv_cache")
 """Sleep-mode memory in the order it wakes: a KV cache never wakes before its weights."""
-
-
-@dataclass
-class _Engines:
-    draft: object
-    guidance: GuidanceChannel | None
 
 
 def rollout_cores() -> int:
@@ -92,7 +86,7 @@ class EngineLifecycle:
             if engine is not None:
                 engine.shutdown()
             raise
-        self.engines = _Engines(draft, engine)
+        self.engines = Engines(draft, engine)
         self.draft_sessions = SessionEngine(draft) if self.speculative else None
         self.sleep_mode = sleeps(config)
         self._awake = {"weights", "kv_cache"}  # the draft engine's memory that is resident

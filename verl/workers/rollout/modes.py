@@ -1,25 +1,26 @@
 """The rollout's generation modes, a registry of strategies (verl's register pattern).
 
-`generate_sequences` picks one per call (`pick_mode`) and runs it on the rollout and the call's
+`generate_sequences` picks one per call (`pick_mode`) and runs it on the call's context and
 `Job`; each returns the sequences (`Generated`), which `packing.to_dataproto` lays out:
 - "draft_only": the draft engine alone (guidance off, or a call without it, e.g. validation);
 - "mix": the first `mix_num_samples` responses of each prompt sampled whole by the guidance;
 - "teacher_only_prefill": λ = 0 by prefill, the draft samples, the guidance scores each
   response in one prefill (`teacher_scoring: prefill`);
 - "speculative": speculative rounds toward q_λ on both engines (`speculative_mode.py`);
-- "multi_turn": tool-using episodes by the draft alone (`multi_turn_mode.py`, registered there;
-  picked whenever `multi_turn.enable`, validation included).
+- "multi_turn", "multi_turn_speculative", "multi_turn_prefill": tool-using episodes, the
+  multi-turn forms of draft_only, speculative and teacher_only_prefill, picked whenever
+  `multi_turn.enable` (validation included); `multi_turn_mode.py` defines them and registers
+  them here when it is imported (the rollout imports it).
 
-A mode uses the rollout's engines (`engines`, `draft_sessions`, `cores_to`), its sampling
-settings of the call (`_draft_only`, `_sampling_kwargs`, `_guidance_processing`, `_max_tokens`,
-`num_logprobs`) and the call's `_counters` and session-id counter `_call`.
+A mode is a function of the call's `context.RolloutContext` (the engines, the call's sampling
+settings and parameters, its counters, the rollout's wave numbers) and its `Job`; the modes never
+import the rollout that calls them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,11 +28,10 @@ from verl.trainer.core_algos.guidance import LAM_GATES
 from verl.trainer.core_algos.guide_when import prefix_lengths
 from verl.utils.registry import Registry
 from verl.workers.rollout.config import OffPolicyGuidanceConfig
+from verl.workers.rollout.context import RolloutContext
 from verl.workers.rollout.speculative import GuidedSequence, ListedRows, RoundStats
 from verl.workers.rollout.speculative_mode import speculative_waves
-
-if TYPE_CHECKING:
-    from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
+from verl.workers.rollout.vllm_sessions import sampled_log_probs
 
 
 @dataclass
@@ -62,7 +62,7 @@ class Generated:
     packed: dict | None = None
 
 
-ModeFn = Callable[[Any, Job], Generated]
+ModeFn = Callable[[RolloutContext, Job], Generated]
 GENERATION_MODES: Registry[ModeFn] = Registry("generation mode")
 
 
@@ -115,98 +115,112 @@ def whole_response(
                           log_probs if from_guidance else unscored, True)  # fmt: skip
 
 
+def draft_responses(
+    ctx: RolloutContext, prompts: list[list[int]], seeds: np.ndarray
+) -> list[GuidedSequence]:
+    """Whole responses from the draft engine, one seed per prompt (`whole_response`)."""
+    params = [ctx.draft_params(ctx.max_tokens, 1, int(s)) for s in seeds]
+    outputs = ctx.engines.draft.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        params,
+        use_tqdm=not ctx.config.disable_tqdm,
+    )
+    return [whole_response(*sampled_log_probs(out.outputs[0]), False) for out in outputs]
+
+
 @GENERATION_MODES.register("draft_only")
-def draft_only(rollout: VLLMRollout, job: Job) -> Generated:
+def draft_only(ctx: RolloutContext, job: Job) -> Generated:
     """Whole responses from the draft engine, one seed per sequence."""
-    return Generated(rollout._draft_only(job.prompts, job.seeds[:, 0]))
+    return Generated(draft_responses(ctx, job.prompts, job.seeds[:, 0]))
 
 
 @GENERATION_MODES.register("mix")
-def mix(rollout: VLLMRollout, job: Job) -> Generated:
+def mix(ctx: RolloutContext, job: Job) -> Generated:
     """The first `mix_num_samples` (`guided_per_prompt`) of each prompt's n samples from the
     guidance (its process samples them while the draft engine samples the rest here), the
     others from the draft."""
     prompts, n, seeds = job.prompts, job.n, job.seeds[:, 0]
-    k = guided_per_prompt(rollout.config.offpolicy_guidance, job.meta, n)
+    k = guided_per_prompt(ctx.config.offpolicy_guidance, job.meta, n)
     rows = {g: [i for i in range(len(prompts)) if (i % n < k) == g] for g in (True, False)}
     seqs: list = [None] * len(prompts)
     if rows[True]:
-        params = [rollout._sampling_kwargs(rollout._max_tokens, 1, int(seeds[i]), **rollout._guidance_processing())
-                  for i in rows[True]]  # fmt: skip
-        rollout.engines.guidance.submit("generate", [prompts[i] for i in rows[True]], params)
+        processing = ctx.guidance_processing()
+        params = [
+            ctx.sampling_kwargs(ctx.max_tokens, 1, int(seeds[i]), **processing) for i in rows[True]
+        ]
+        ctx.engines.guidance.submit("generate", [prompts[i] for i in rows[True]], params)
     if rows[False]:
-        draft = rollout._draft_only([prompts[i] for i in rows[False]], seeds[rows[False]])
+        draft = draft_responses(ctx, [prompts[i] for i in rows[False]], seeds[rows[False]])
         for i, seq in zip(rows[False], draft, strict=True):
             seqs[i] = seq
     if rows[True]:
-        for i, (tokens, lps) in zip(rows[True], rollout.engines.guidance.result(), strict=True):
+        for i, (tokens, lps) in zip(rows[True], ctx.engines.guidance.result(), strict=True):
             seqs[i] = whole_response(tokens, lps, True)
     return Generated(seqs)
 
 
 @GENERATION_MODES.register("teacher_only_prefill")
-def teacher_only_prefill(rollout: VLLMRollout, job: Job) -> Generated:
+def teacher_only_prefill(ctx: RolloutContext, job: Job) -> Generated:
     """λ = 0 by prefill: the draft samples whole responses, then the guidance scores each in
     one prefill; on CPU each engine has every core while it works (the other idles)."""
-    with rollout.cores_to("draft"):
-        seqs = rollout._draft_only(job.prompts, job.seeds[:, 0])
-    with rollout.cores_to("guidance"):
-        teacher_prefill(rollout, job.prompts, seqs)
+    with ctx.cores_to("draft"):
+        seqs = draft_responses(ctx, job.prompts, job.seeds[:, 0])
+    with ctx.cores_to("guidance"):
+        teacher_prefill(ctx, job.prompts, seqs)
     return Generated(seqs)
 
 
 def teacher_prefill(
-    rollout: VLLMRollout, prompts: list[list[int]], seqs: list[GuidedSequence]
+    ctx: RolloutContext, prompts: list[list[int]], seqs: list[GuidedSequence]
 ) -> None:
     """Score whole sampled sequences on the guidance engine, one prefill each (in waves its
     KV cache holds), and set their `guidance_log_probs` to its processed log q of every
     response token (column 0 of a prompt log-prob row is the scored token itself)."""
-    guidance = rollout.engines.guidance
+    guidance = ctx.engines.guidance
     longest = max(len(p) + len(s.tokens) for p, s in zip(prompts, seqs, strict=True)) + 1
-    wave = guidance.call("capacity", longest)
-    for start in range(0, len(seqs), wave):
-        rollout._call += 1
-        part = range(start, min(start + wave, len(seqs)))
-        chunks = [(f"t{rollout._call}-{i}", prompts[i] + seqs[i].tokens, 1, None) for i in part]
+    size = guidance.call("capacity", longest)
+    for start in range(0, len(seqs), size):
+        wave = ctx.waves.next()
+        part = range(start, min(start + size, len(seqs)))
+        chunks = [(f"t{wave}-{i}", prompts[i] + seqs[i].tokens, 1, None) for i in part]
         rows = [(len(prompts[i]) - 1, len(seqs[i].tokens)) for i in part]
         (ids, values), _, computed = guidance.call(
-            "score", chunks, rows, rollout.num_logprobs, rollout._guidance_processing()
+            "score", chunks, rows, ctx.num_logprobs, ctx.guidance_processing()
         )
         guidance.call("close")
-        rollout._counters.computed += computed
+        ctx.counters.computed += computed
         processed = ListedRows(ids, values)  # processed in the engine
-        rollout._counters.tail_mass.append(processed.tail_mass())
+        ctx.counters.tail_mass.append(processed.tail_mass())
         ends = np.cumsum([count for _, count in rows])[:-1]
         for i, values_i in zip(
             part, np.split(processed.log_probs[:, 0].astype(np.float64), ends), strict=True
         ):
             seqs[i].guidance_log_probs = values_i.tolist()
-        if rollout.config.offpolicy_guidance.keep_topk:  # the rows, for a top-K forward KL
+        if ctx.config.offpolicy_guidance.keep_topk:  # the rows, for a top-K forward KL
             ids_k, values_k = processed.topk()
             for i, a, b in zip(part, np.split(ids_k, ends), np.split(values_k, ends), strict=True):
                 seqs[i].guidance_topk = (a, b)
 
 
 @GENERATION_MODES.register("speculative")
-def speculative(rollout: VLLMRollout, job: Job) -> Generated:
+def speculative(ctx: RolloutContext, job: Job) -> Generated:
     """Speculative guidance toward q_λ: the first `guided_samples` responses of each prompt
     guided, the others λ_t = 0 (the draft alone), with the gate `lam_gate` at the call's
     `entropy_threshold` τ (`speculative_mode.speculative_waves`)."""
-    guided, gate = guided_rows(rollout, job)
-    guidance = rollout.config.offpolicy_guidance
-    prefix = prefix_lengths(prefix_fraction(guidance, job.meta), rollout._max_tokens,
+    guidance = ctx.config.offpolicy_guidance
+    guided, gate = guided_rows(guidance, job)
+    prefix = prefix_lengths(prefix_fraction(guidance, job.meta), ctx.max_tokens,
                             guidance.prefix_draw, job.seeds[:, 1], guided)  # fmt: skip
-    seqs, stats = speculative_waves(rollout, job.prompts, job.lam, job.seeds, guided, gate, prefix)
+    seqs, stats = speculative_waves(ctx, job.prompts, job.lam, job.seeds, guided, gate, prefix)
     return Generated(seqs, stats, guided)
 
 
 def guided_rows(
-    rollout: VLLMRollout, job: Job
+    guidance: OffPolicyGuidanceConfig, job: Job
 ) -> tuple[np.ndarray, Callable[[np.ndarray], np.ndarray] | None]:
     """Which of the job's B sequences are guided ((B,) bool: the first `guided_per_prompt` of
     each prompt's n, none at λ = 0 without a teacher prefix) and the per-position gate of λ
     (`lam_gate` with the call's `entropy_threshold` τ; None: λ_t = λ)."""
-    guidance = rollout.config.offpolicy_guidance
     subset = guided_per_prompt(guidance, job.meta, job.n)
     active = job.lam > 0.0 or prefix_fraction(guidance, job.meta) > 0.0
     guided = (np.arange(len(job.prompts)) % job.n < subset) & active
@@ -215,7 +229,3 @@ def guided_rows(
     tau = float(job.meta.get("entropy_threshold", guidance.entropy_threshold))
     gate = LAM_GATES.get(guidance.lam_gate)
     return guided, lambda entropy: gate(entropy, tau)
-
-
-# registers "multi_turn" (its module needs this one's Job and Generated, so it comes last)
-import verl.workers.rollout.multi_turn_mode  # noqa: E402, F401

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from verl.protocol import DataProto
 from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR
+from verl.workers.rollout.config import OffPolicyGuidanceConfig
+from verl.workers.rollout.context import RolloutContext
 from verl.workers.rollout.modes import (
     GENERATION_MODES,
     Generated,
@@ -48,10 +49,6 @@ from verl.workers.rollout.packing import guidance_part
 from verl.workers.rollout.speculative import GuidedSequence, RoundStats
 from verl.workers.rollout.speculative_mode import run_rounds, sessions_freed, wave_size
 from verl.workers.rollout.vllm_sessions import sampled_log_probs
-
-if TYPE_CHECKING:
-    from verl.workers.rollout.config import OffPolicyGuidanceConfig
-    from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
 MULTI_TURN_COUNTS = ("num_turns", "num_tool_calls", "num_tool_errors", "num_tool_truncated",
                      "retokenized")  # fmt: skip
@@ -90,25 +87,20 @@ def finish_reason(completion) -> str:
     return "tool_call" if isinstance(completion.stop_reason, str) else "eos"
 
 
-def _turn_params(rollout: VLLMRollout, runtime: MultiTurnRuntime, budget: int, seed: int):
-    """A turn's sampling parameters: the rollout's, with the format's stop strings kept in the
-    output (detokenized, so vLLM can match them) and at most `budget` tokens."""
-    from vllm import SamplingParams
-
-    kwargs = rollout._sampling_kwargs(budget, 1, seed, detokenize=True,
-                                      stop=runtime.stop_strings, include_stop_str_in_output=True)  # fmt: skip
-    return SamplingParams(**kwargs)
-
-
-def draft_turns(rollout: VLLMRollout, runtime: MultiTurnRuntime, seeds: np.ndarray) -> TurnFn:
+def draft_turns(ctx: RolloutContext, runtime: MultiTurnRuntime, seeds: np.ndarray) -> TurnFn:
     """Turns by the draft engine alone (turn k of episode i sampled with seed seeds[i] + k - 1),
     with the sampled log-probs as `rollout_log_probs`."""
 
     def turns(active, contexts, budgets, turn):
-        params = [_turn_params(rollout, runtime, budget, int(seeds[i]) + turn - 1)
-                  for i, budget in zip(active, budgets, strict=True)]  # fmt: skip
+        # the rollout's parameters, with the format's stop strings kept in the output
+        # (detokenized, so vLLM can match them) and at most the budget left
+        stops = {"stop": runtime.stop_strings, "include_stop_str_in_output": True}
+        params = [
+            ctx.draft_params(budget, 1, int(seeds[i]) + turn - 1, detokenize=True, **stops)
+            for i, budget in zip(active, budgets, strict=True)
+        ]
         requests = [{"prompt_token_ids": context} for context in contexts]
-        outputs = rollout.engines.draft.generate(requests, params, use_tqdm=False)
+        outputs = ctx.engines.draft.generate(requests, params, use_tqdm=False)
         out = []
         for completion in (o.outputs[0] for o in outputs):
             ids, log_probs = sampled_log_probs(completion)
@@ -125,9 +117,10 @@ class GuidedTurns:
     i (a row of `prompts`) is guided when `guided[i]` (else λ_t = 0), its acceptance draws seeded
     `seeds[i, 1]` + k - 1 at turn k, and keeps its sessions on both engines from turn to turn
     (named by i: a turn computes only the tool delta and its own tokens). Keeps every turn's
-    sequence and the rounds' counters."""
+    sequence and the rounds' counters. The episodes' sessions are those of wave `wave`."""
 
-    rollout: VLLMRollout
+    ctx: RolloutContext
+    wave: int
     runtime: MultiTurnRuntime
     lam: float
     seeds: np.ndarray
@@ -139,8 +132,18 @@ class GuidedTurns:
     def __call__(self, active, contexts, budgets, turn):
         runtime, seeds = self.runtime, self.seeds[active].copy()
         seeds[:, 1] += turn - 1
-        batches = run_rounds(self.rollout, contexts, self.lam, seeds, self.guided[active], self.gate,
-                             budgets, lambda _, tokens: runtime.turn_end(tokens), ids=active)  # fmt: skip
+        batches = run_rounds(
+            self.ctx,
+            self.wave,
+            contexts,
+            self.lam,
+            seeds,
+            self.guided[active],
+            self.gate,
+            budgets,
+            lambda _, tokens: runtime.turn_end(tokens),
+            ids=active,
+        )
         order = {i: row for row, i in enumerate(active)}
         seqs: list[GuidedSequence] = [None] * len(active)  # type: ignore[list-item]
         for batch in batches:
@@ -154,8 +157,8 @@ class GuidedTurns:
     def _reason(self, seq: GuidedSequence) -> str:
         if seq.stopped:
             return "tool_call"
-        eos = self.rollout.eos_token_id
-        ended = not self.rollout._ignore_eos and seq.tokens and seq.tokens[-1] == eos
+        eos = self.ctx.eos_token_id
+        ended = not self.ctx.ignore_eos and seq.tokens and seq.tokens[-1] == eos
         return "eos" if ended else "length"
 
     def _slots(self, seq: GuidedSequence) -> dict[str, list[float]]:
@@ -171,11 +174,10 @@ class GuidedTurns:
 
 
 def run_episodes(
-    rollout: VLLMRollout, runtime: MultiTurnRuntime, prompts: list[list[int]], turns: TurnFn
+    limit: int, runtime: MultiTurnRuntime, prompts: list[list[int]], turns: TurnFn
 ) -> tuple[list[Trajectory], list[bool]]:
-    """The episodes of `prompts`, each turn from `turns`, and whether each ended at `max_turns`
-    with calls left unanswered or at the response budget."""
-    limit = rollout._max_tokens
+    """The episodes of `prompts`, each turn from `turns` and at most `limit` response tokens, and
+    whether each ended at `max_turns` with calls left unanswered or at the response budget."""
     episodes = [Trajectory(list(p)) for p in prompts]
     cut = [False] * len(prompts)
     active = list(range(len(prompts)))
@@ -201,63 +203,63 @@ def run_episodes(
     return episodes, cut
 
 
-def _packed(rollout: VLLMRollout, episodes: list[Trajectory], cut: list[bool]) -> dict:
+def _packed(ctx: RolloutContext, episodes: list[Trajectory], cut: list[bool]) -> dict:
     """`pack`, with the turn loop's cuts in `truncated` and each episode's `retokenized` count
     (`retokenized_tokens` of its kept response: a diagnostic)."""
-    width = rollout.config.response_length
-    packed = pack(episodes, width, rollout.pad_token_id)
+    width = ctx.config.response_length
+    packed = pack(episodes, width, ctx.pad_token_id)
     packed["truncated"] = packed["truncated"] | torch.tensor(cut, dtype=torch.bool)
-    tokenizer = rollout.multi_turn_runtime().tokenizer
+    tokenizer = ctx.multi_turn.tokenizer
     packed["retokenized"] = torch.tensor([retokenized_tokens(tokenizer, e, width) for e in episodes],
                                          dtype=torch.long)  # fmt: skip
     return packed
 
 
 @GENERATION_MODES.register("multi_turn")
-def multi_turn(rollout: VLLMRollout, job: Job) -> Generated:
+def multi_turn(ctx: RolloutContext, job: Job) -> Generated:
     """Multi-turn episodes by the draft engine (`draft_turns`), packed in `packed`."""
-    runtime = rollout.multi_turn_runtime()
-    turns = draft_turns(rollout, runtime, job.seeds[:, 0])
-    episodes, cut = run_episodes(rollout, runtime, job.prompts, turns)
-    return Generated([], packed=_packed(rollout, episodes, cut))
+    runtime = ctx.multi_turn
+    turns = draft_turns(ctx, runtime, job.seeds[:, 0])
+    episodes, cut = run_episodes(ctx.max_tokens, runtime, job.prompts, turns)
+    return Generated([], packed=_packed(ctx, episodes, cut))
 
 
 @GENERATION_MODES.register("multi_turn_speculative")
-def multi_turn_speculative(rollout: VLLMRollout, job: Job) -> Generated:
+def multi_turn_speculative(ctx: RolloutContext, job: Job) -> Generated:
     """Multi-turn episodes whose every turn is speculative guidance toward q_λ (`GuidedTurns`):
     the first `guided_samples` episodes of each prompt guided, with the gate `lam_gate`. In
     waves of episodes whose sessions (prompt and whole response budget) fit both KV caches,
     each wave's sessions freed once all its episodes ended."""
-    runtime = rollout.multi_turn_runtime()
-    guided, gate = guided_rows(rollout, job)
-    wave = wave_size(rollout, [len(p) for p in job.prompts], rollout._max_tokens)
+    runtime = ctx.multi_turn
+    guided, gate = guided_rows(ctx.config.offpolicy_guidance, job)
+    size = wave_size(ctx, [len(p) for p in job.prompts], ctx.max_tokens)
     episodes, cut, seqs, stats = [], [], [], RoundStats()
-    for start in range(0, len(job.prompts), wave):
-        rollout._call += 1  # session ids are unique per wave
-        part = slice(start, start + wave)
-        turns = GuidedTurns(rollout, runtime, job.lam, job.seeds[part], guided[part], gate)
-        with sessions_freed(rollout):
-            done, cut_part = run_episodes(rollout, runtime, job.prompts[part], turns)
+    for start in range(0, len(job.prompts), size):
+        wave = ctx.waves.next()  # session ids are unique per wave
+        part = slice(start, start + size)
+        turns = GuidedTurns(ctx, wave, runtime, job.lam, job.seeds[part], guided[part], gate)
+        with sessions_freed(ctx):
+            done, cut_part = run_episodes(ctx.max_tokens, runtime, job.prompts[part], turns)
         episodes += done
         cut += cut_part
         seqs += turns.seqs
         stats.add(turns.stats)
-    return Generated(seqs, stats, guided, packed=_packed(rollout, episodes, cut))
+    return Generated(seqs, stats, guided, packed=_packed(ctx, episodes, cut))
 
 
 @GENERATION_MODES.register("multi_turn_prefill")
-def multi_turn_prefill(rollout: VLLMRollout, job: Job) -> Generated:
+def multi_turn_prefill(ctx: RolloutContext, job: Job) -> Generated:
     """λ = 0 by prefill: draft-only episodes, then each episode's kept response scored by the
     guidance in one prefill (`teacher_prefill`); log q at every response token, read at the
     policy tokens. Every token is the draft's: off-policy 0, log q̃ = log q, λ_t = λ."""
-    runtime = rollout.multi_turn_runtime()
-    episodes, cut = run_episodes(rollout, runtime, job.prompts,
-                                 draft_turns(rollout, runtime, job.seeds[:, 0]))  # fmt: skip
-    packed = _packed(rollout, episodes, cut)
-    width = rollout.config.response_length
+    runtime = ctx.multi_turn
+    episodes, cut = run_episodes(ctx.max_tokens, runtime, job.prompts,
+                                 draft_turns(ctx, runtime, job.seeds[:, 0]))  # fmt: skip
+    packed = _packed(ctx, episodes, cut)
+    width = ctx.config.response_length
     seqs = [GuidedSequence(e.response_ids[:width]) for e in episodes]
-    with rollout.cores_to("guidance"):
-        teacher_prefill(rollout, job.prompts, seqs)
+    with ctx.cores_to("guidance"):
+        teacher_prefill(ctx, job.prompts, seqs)
     guide = torch.zeros_like(packed["rollout_log_probs"], dtype=torch.float64)
     for i, seq in enumerate(seqs):
         guide[i, : len(seq.tokens)] = torch.tensor(seq.guidance_log_probs, dtype=torch.float64)

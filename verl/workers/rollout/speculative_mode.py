@@ -1,7 +1,7 @@
 """Speculative guidance on the two engines: the draft engine's sessions as the algorithm's
 `DraftStepper` (`_DraftRounds`), the guidance engine as its `AsyncScorer` (`GuidanceScorer`),
 and the waves of sequences whose sessions fit both KV caches (`speculative_waves`), each run by
-`speculative.overlapped_generate`.
+`speculative.overlapped_generate`. Each function takes the call's `context.RolloutContext`.
 
 Row t of vLLM's prompt log-probs scores token t+1, so the proposals of a prefix of length L are
 the guidance's rows L-1 .. L+n-2: a scoring chunk recomputes from position L-1 on.
@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from verl.workers.rollout.context import RolloutContext
 from verl.workers.rollout.guidance_server import GuidanceChannel
 from verl.workers.rollout.packing import Counters
 from verl.workers.rollout.speculative import (
@@ -28,12 +28,9 @@ from verl.workers.rollout.speculative import (
 )
 from verl.workers.rollout.vllm_sessions import SessionEngine
 
-if TYPE_CHECKING:
-    from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
-
 
 def speculative_waves(
-    rollout: VLLMRollout,
+    ctx: RolloutContext,
     prompts: list[list[int]],
     lam: float,
     seeds: np.ndarray,
@@ -46,14 +43,15 @@ def speculative_waves(
     after it. Sequences not `guided` (B,) sample the draft alone (λ_t = 0); `gate` maps draft
     entropies to λ_t / λ; `prefix` (B,) the teacher prefix j of each sequence (λ_t = 1 on its
     first j tokens; None: none); `seeds` (B, 2) as `sequence_seeds`."""
-    wave = wave_size(rollout, [len(p) for p in prompts], rollout._max_tokens)
+    size = wave_size(ctx, [len(p) for p in prompts], ctx.max_tokens)
     seqs, stats = [], RoundStats()
-    for start in range(0, len(prompts), wave):
-        rollout._call += 1  # session ids are unique per wave
-        part = slice(start, start + wave)
-        with sessions_freed(rollout):
+    for start in range(0, len(prompts), size):
+        wave = ctx.waves.next()  # session ids are unique per wave
+        part = slice(start, start + size)
+        with sessions_freed(ctx):
             batches = run_rounds(
-                rollout,
+                ctx,
+                wave,
                 prompts[part],
                 lam,
                 seeds[part],
@@ -67,32 +65,31 @@ def speculative_waves(
     return seqs, stats
 
 
-def wave_size(rollout: VLLMRollout, prompt_lengths: list[int], new_tokens: int) -> int:
+def wave_size(ctx: RolloutContext, prompt_lengths: list[int], new_tokens: int) -> int:
     """How many sessions of a prompt and `new_tokens` more (and one lookahead token) both
     engines' KV caches hold at once."""
     longest = max(prompt_lengths) + new_tokens + 1
-    return min(
-        rollout.draft_sessions.capacity(longest), rollout.engines.guidance.call("capacity", longest)
-    )
+    return min(ctx.draft_sessions.capacity(longest), ctx.engines.guidance.call("capacity", longest))
 
 
 @contextmanager
-def sessions_freed(rollout: VLLMRollout) -> Iterator[None]:
+def sessions_freed(ctx: RolloutContext) -> Iterator[None]:
     """Every session opened inside the block is freed on both engines at its end (after an
     error too, best effort: `run_rounds` has drained the guidance's answers in flight)."""
     try:
         yield
     except BaseException:
-        rollout.draft_sessions.close()
+        ctx.draft_sessions.close()
         with suppress(RuntimeError):
-            rollout.engines.guidance.call("close")
+            ctx.engines.guidance.call("close")
         raise
-    rollout.draft_sessions.close()
-    rollout.engines.guidance.call("close")
+    ctx.draft_sessions.close()
+    ctx.engines.guidance.call("close")
 
 
 def run_rounds(
-    rollout: VLLMRollout,
+    ctx: RolloutContext,
+    wave: int,
     prompts: list[list[int]],
     lam: float,
     seeds: np.ndarray,
@@ -105,17 +102,17 @@ def run_rounds(
 ) -> list[SpeculativeBatch]:
     """Speculative rounds until every sequence of `prompts` ended, in `pipeline_groups` batches
     run overlapped; the sessions stay open (`sessions_freed` frees them). `ids` (B,) name each
-    sequence's sessions on both engines within the call (default 0..B-1): a sequence continued
+    sequence's sessions on both engines within the `wave` (default 0..B-1): a sequence continued
     under the same id (the next turn of an episode, its prompt the old one plus the tokens since)
     reuses its sessions' KV cache and computes only the new tokens. `limits` (B,) each
     sequence's most new tokens (None: the call's `max_tokens`); `stop(b, tokens)` as
     `SpeculativeBatch`'s, b the sequence's row here; `seeds` (B, 2) as `sequence_seeds` (the
     draft's sampling seed applies to a session's first chunk); `prefix` (B,) teacher prefix
     lengths as `SpeculativeBatch`'s (None: none)."""
-    guidance = rollout.config.offpolicy_guidance
+    guidance = ctx.config.offpolicy_guidance
     ids = list(range(len(prompts))) if ids is None else list(ids)
-    limits = [rollout._max_tokens] * len(prompts) if limits is None else list(limits)
-    eos = None if rollout._ignore_eos else rollout.eos_token_id
+    limits = [ctx.max_tokens] * len(prompts) if limits is None else list(limits)
+    eos = None if ctx.ignore_eos else ctx.eos_token_id
     scale = guided.astype(np.float64)
     gens = [torch.Generator().manual_seed(int(s)) for s in seeds[:, 1]]
     groups = np.array_split(np.arange(len(prompts)), min(guidance.pipeline_groups, len(prompts)))
@@ -126,17 +123,21 @@ def run_rounds(
                                 stop=None if stop is None else (lambda r, tokens, g=g: stop(int(g[r]), tokens)))
                for g in groups]  # fmt: skip
     seed_of = dict(zip(ids, seeds[:, 0].tolist(), strict=True))
-    draft = _DraftRounds(rollout.draft_sessions, f"d{rollout._call}-",
-                         lambda i, m: rollout._draft_params(m, rollout.num_logprobs, int(seed_of[i])))  # fmt: skip
-    scorer = GuidanceScorer(rollout.engines.guidance, f"g{rollout._call}-", rollout.num_logprobs,
-                            rollout._guidance_processing(), rollout._counters)  # fmt: skip
+
+    def new_params(i: int, max_tokens: int):  # a new draft session's (its sequence's seed)
+        return ctx.draft_params(max_tokens, ctx.num_logprobs, int(seed_of[i]))
+
+    draft = _DraftRounds(ctx.draft_sessions, f"d{wave}-", new_params)
+    scorer = GuidanceScorer(
+        ctx.engines.guidance, f"g{wave}-", ctx.num_logprobs, ctx.guidance_processing(), ctx.counters
+    )
     stagger = -(-guidance.num_speculative_tokens // len(batches))  # spread over one round
     try:
         overlapped_generate(batches, draft, scorer, stagger)
     except BaseException:
         scorer.drain()
         raise
-    rollout._counters.lookups += draft.lookups
+    ctx.counters.lookups += draft.lookups
     return batches
 
 
