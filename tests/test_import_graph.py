@@ -137,3 +137,27 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
     found = cycles(graph)
     assert found == [["verl.a", "verl.b"], ["verl.sub.c", "verl.sub.d"]]
     assert describe(graph, found[0]) == "verl.a, verl.b (verl.a -> verl.b; verl.b -> verl.a)"
+
+
+LEAVES = {
+    "verl.utils": ("verl.utils",),
+    "verl.trainer.core_algos": ("verl.trainer.core_algos", "verl.utils"),
+}
+"""Packages that are leaves of the project: each imports only the packages listed with it."""
+
+
+def test_utils_and_core_algos_are_leaves_and_nothing_below_imports_the_tasks():
+    """`verl/utils/` imports nothing of the project outside itself and `core_algos` only itself
+    and utils; no worker imports the built-in tasks (`verl.tasks` import the workers)."""
+
+    def inside(name: str, packages: tuple[str, ...]) -> bool:
+        return any(name == p or name.startswith(p + ".") for p in packages)
+
+    graph, wrong = import_graph(ROOT), []
+    for module, targets in sorted(graph.items()):
+        for leaf, allowed in LEAVES.items():
+            if inside(module, (leaf,)):
+                wrong += [f"{module} -> {t}" for t in sorted(targets) if not inside(t, allowed)]
+        if inside(module, ("verl.workers", "verl.utils")):
+            wrong += [f"{module} -> {t}" for t in sorted(targets) if inside(t, ("verl.tasks",))]
+    assert not wrong, "imports against the layers: " + "; ".join(wrong)
