@@ -36,7 +36,7 @@ GROUPS = {
 
 
 FIRST = (
-    "guidance/lambda", "guidance/lambda_mean", "guidance/effective_lambda_mean",
+    "guidance/lambda", "guidance/lambda_mean", "guidance/target_lambda_mean",
     "guidance/offpolicy_token_ratio", "guidance/offpolicy_seq_ratio", "guidance/accept_rate",
     "guidance/behavior_kl", "guidance/guided_grad_share", "guidance/guided_score_gap",
     "guidance/guided_seq_score", "guidance/unguided_seq_score", "guidance/topk_tail_mass",

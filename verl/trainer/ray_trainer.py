@@ -228,14 +228,16 @@ class RayPPOTrainer:
         return out
 
     def _gate_stats(self, out: DataProto, lam: float, metrics: dict) -> None:
-        """guidance/lambda_mean and the gate's metrics; τ of the next step's gate (a percentile of
-        this step's draft entropies on unguided responses, known before that rollout starts)."""
+        """guidance/lambda_mean (λ_t as set), target_lambda_mean (λ'_t) and the gate's metrics; τ
+        of the next step's gate (a percentile of this step's draft entropies on unguided
+        responses, known before that rollout starts)."""
         guidance, b = self.config.worker.rollout.offpolicy_guidance, out.batch
         if "guidance_lam" not in b.keys():
             return
         gated = guidance.lam_gate != "none"
-        metrics.update(compute_gate_metrics(b["guidance_lam"], b["draft_entropy"], b["guided_responses"],
-                                            b["response_mask"], lam, self.entropy_tau if gated else None))  # fmt: skip
+        metrics.update(compute_gate_metrics(b["guidance_strength"], b["draft_entropy"], b["guided_responses"],
+                                            b["response_mask"], lam, self.entropy_tau if gated else None,
+                                            b["guidance_lam"]))  # fmt: skip
         if gated and guidance.entropy_percentile is not None:
             entropies = unguided_entropies(
                 b["draft_entropy"], b["guided_responses"], b["response_mask"]

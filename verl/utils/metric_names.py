@@ -43,6 +43,7 @@ GUIDANCE_TARGET_TV = "guidance/target_tv"
 GUIDANCE_DRAFT_LOOKUP_RATIO = "guidance/draft_lookup_ratio"
 # per-position λ_t (lam_gate) and the guided subset (guided_samples, guided_advantage)
 GUIDANCE_LAMBDA_MEAN = "guidance/lambda_mean"
+GUIDANCE_TARGET_LAMBDA_MEAN = "guidance/target_lambda_mean"
 GUIDANCE_GATE_MEAN = "guidance/gate_mean"
 GUIDANCE_GATE_OPEN_FRAC = "guidance/gate_open_frac"
 GUIDANCE_DRAFT_ENTROPY_MEAN = "guidance/draft_entropy_mean"

@@ -73,6 +73,8 @@ _DOCS = (
     # selective guidance: per-position λ_t (lam_gate), a guided subset (guided_samples), MENTOR's advantages
     MetricDoc(M.GUIDANCE_LAMBDA_MEAN, _G, "Mean λ_t = λ·g_t over the emitted tokens of the speculative rollout (unguided responses of a guided subset count 0).",
               "Equals lambda without a gate and with every response guided; with the entropy gate and guided_samples m of n, at most lambda·m/n."),
+    MetricDoc(M.GUIDANCE_TARGET_LAMBDA_MEAN, _G, "Mean λ'_t, the guidance's weight in the target each token was sampled from, over the same tokens: λ_t under topk_target renormalize, λ_t·Q_S under draft_tail (Q_S the guidance's listed mass).",
+              "Equals guidance/lambda_mean when K covers the vocabulary or the target renormalizes; below it by the unlisted mass the draft_tail target hands to the draft."),
     MetricDoc(M.GUIDANCE_GATE_MEAN, _G, "Mean gate g_t = λ_t/λ over the guided responses' tokens (entropy gate: min(1, H_t/τ)).",
               "1 with lam_gate none; with the entropy gate well below 1 (the guidance acts on the uncertain positions only); near 1 means τ is too low."),
     MetricDoc(M.GUIDANCE_GATE_OPEN_FRAC, _G, "Share of the guided responses' tokens whose gate is fully open (H_t ≥ τ, λ_t = λ).",

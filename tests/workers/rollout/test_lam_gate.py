@@ -118,9 +118,13 @@ def test_gate_metrics_and_unguided_entropies_hand_values():
     lam_t = torch.tensor([[0.8, 0.4, 0.2], [0.0, 0.0, 0.0]])
     h = torch.tensor([[1.5, 0.5, 0.25], [0.3, 0.7, float("nan")]])
     guided, mask = torch.tensor([True, False]), torch.tensor([[1, 1, 1], [1, 1, 0]])
-    m = compute_gate_metrics(lam_t, h, guided, mask, 0.8, 1.0)
+    # λ'_t of a draft_tail target, λ_t·Q_S with Q_S = 0.5, 1, 0.5 on response 0
+    target = torch.tensor([[0.4, 0.4, 0.1], [0.0, 0.0, 0.0]])
+    m = compute_gate_metrics(lam_t, h, guided, mask, 0.8, 1.0, target)
     # λ mean over 5 tokens: (0.8 + 0.4 + 0.2 + 0 + 0) / 5 = 0.28
     assert m[M.GUIDANCE_LAMBDA_MEAN] == pytest.approx(0.28)
+    # λ' mean over the same 5: (0.4 + 0.4 + 0.1 + 0 + 0) / 5 = 0.18; the gate still reads λ_t
+    assert m[M.GUIDANCE_TARGET_LAMBDA_MEAN] == pytest.approx(0.18)
     # H mean over 5 tokens: (1.5 + 0.5 + 0.25 + 0.3 + 0.7) / 5 = 0.65
     assert m[M.GUIDANCE_DRAFT_ENTROPY_MEAN] == pytest.approx(0.65)
     # guided tokens: gate mean (0.8 + 0.4 + 0.2) / 3 / 0.8 = 0.583333; open (H ≥ 1): 1 of 3

@@ -26,6 +26,7 @@ def loop_rows(prompts, seqs, p_len, r_len, pad, lam) -> dict[str, torch.Tensor]:
         "guide_lp": torch.zeros(b, r_len),
         "target_lp": torch.zeros(b, r_len),
         "lam_t": torch.full((b, r_len), lam, dtype=torch.float64),
+        "strength_t": torch.full((b, r_len), lam, dtype=torch.float64),
         "entropy": torch.full((b, r_len), float("nan")),
         "off": torch.zeros(b, r_len, dtype=torch.bool),
     }
@@ -43,6 +44,7 @@ def loop_rows(prompts, seqs, p_len, r_len, pad, lam) -> dict[str, torch.Tensor]:
             rows["off"][i, :n] = torch.tensor(s.offpolicy)
         if s.lam:
             rows["lam_t"][i, :n] = torch.tensor(s.lam, dtype=torch.float64)
+            rows["strength_t"][i, :n] = torch.tensor(s.strength, dtype=torch.float64)
             rows["entropy"][i, :n] = torch.tensor(s.draft_entropy)
     return rows
 
@@ -59,6 +61,7 @@ def random_sequence(rng: random.Random, r_len: int) -> GuidedSequence:
         guidance_log_probs=[rng.choice([-rng.random() * 5, *special]) for _ in range(n)],
         target_log_probs=[-rng.random() * 5 for _ in range(n)] if speculative else [],
         lam=[rng.random() for _ in range(n)] if speculative and n else [],
+        strength=[rng.random() for _ in range(n)] if speculative and n else [],
         draft_entropy=[rng.random() * 3 for _ in range(n)] if speculative else [],
     )
 

@@ -270,6 +270,8 @@ def test_real_entropy_gate_and_guided_subset_are_exact(shared, real_hf):
     # the λ the verify step ran with: draft_tail is the same step at λ' = λ_t·Q_S
     ran = lam_t * ref["mass"] if DEFAULT_TARGET == "draft_tail" else lam_t
     torch.testing.assert_close(b["guidance_lam"][valid].double(), ran, rtol=0, atol=1e-4)
+    # and λ_t as set, before the target scales it: what guidance/lambda_mean and gate_mean read
+    torch.testing.assert_close(b["guidance_strength"][valid].double(), lam_t, rtol=0, atol=1e-4)
 
 
 def test_real_lora_sync_keeps_the_guided_rollout_exact(real_pair, real_hf, shared):

@@ -668,7 +668,7 @@ def draft_tail_chain(lam: float, top: int) -> torch.Tensor:
 def test_draft_tail_target_gives_the_unlisted_mass_to_the_draft(lam, k):
     """Guidance rows listing their top 2 only, target `draft_tail`: 3-token sequences of 2 x 10,000
     prompts follow t = (1 - λQ_S)·P + λ·Q·1_S (chi-square), not the renormalised (1-λ)P + λQ̃.
-    Each token records λ'_t = λ·Q_S of its state, the bound λ·(1 - Q_S) as its distance, and the
+    Each token records λ'_t = λ·Q_S of its state (and λ_t = λ as set), the bound λ·(1 - Q_S) as its distance, and the
     behavior log((1-λ')p + λ'q̃) is log t of the chain.
     By hand, state 0: Q = [0.1, 0.2, 0.7], S = {2, 1}, Q_S = 0.9; at λ = 0.5
     t = 0.55·[0.6, 0.3, 0.1] + 0.5·[0, 0.2, 0.7] = [0.33, 0.265, 0.405]."""
@@ -704,6 +704,9 @@ def test_draft_tail_target_gives_the_unlisted_mass_to_the_draft(lam, k):
     mass = np.array([0.9, 0.9, 0.75])  # Q_S of each state's top 2
     lam_t = np.array([s.lam for s in seqs])
     np.testing.assert_allclose(lam_t, lam * mass[prevs], rtol=1e-12)
+    # λ_t as set stays λ on every token (proposal, residual and bonus): at λ = 0.5 in state 0 the
+    # target's weight is 0.5·0.9 = 0.45 while guidance/lambda_mean reads 0.5
+    assert np.array([s.strength for s in seqs]).tolist() == np.full(lam_t.shape, lam).tolist()
     np.testing.assert_allclose(
         np.array([s.target_tv for s in seqs]), lam * (1 - mass[prevs]), rtol=1e-12
     )

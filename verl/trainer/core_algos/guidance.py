@@ -386,15 +386,20 @@ def compute_gate_metrics(
     response_mask: torch.Tensor,
     lam: float,
     tau: float | None,
+    target_lam_tokens: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Per-position λ of a speculative rollout. lam_tokens, draft_entropy, response_mask (B, T);
-    guided (B,). lambda_mean = mean λ_t over response tokens; draft_entropy_mean = mean H_t over
-    those the rollout gave one; with a gate (`tau` not None): entropy_threshold = τ, and over the
-    guided responses' tokens gate_mean = mean λ_t / λ and gate_open_frac = share with H_t ≥ τ."""
+    """Per-position λ of a speculative rollout. lam_tokens (λ_t = λ·g_t as set), draft_entropy,
+    response_mask, target_lam_tokens (λ'_t, the guidance's weight in the sampled target) (B, T);
+    guided (B,). lambda_mean = mean λ_t over response tokens, target_lambda_mean = mean λ'_t
+    there; draft_entropy_mean = mean H_t over those the rollout gave one; with a gate (`tau` not
+    None): entropy_threshold = τ, and over the guided responses' tokens gate_mean = mean λ_t / λ
+    and gate_open_frac = share with H_t ≥ τ."""
     valid = response_mask.bool()
     metrics: dict[str, float] = {}
     if valid.any():
         metrics[M.GUIDANCE_LAMBDA_MEAN] = lam_tokens[valid].double().mean().item()
+        if target_lam_tokens is not None:
+            metrics[M.GUIDANCE_TARGET_LAMBDA_MEAN] = target_lam_tokens[valid].double().mean().item()
     known = valid & draft_entropy.isfinite()
     if known.any():
         metrics[M.GUIDANCE_DRAFT_ENTROPY_MEAN] = draft_entropy[known].double().mean().item()

@@ -57,8 +57,8 @@ the batch as `multiturn_<name>` ((B,) long)."""
 MULTI_TURN_MODES = {"draft_only": "multi_turn", "speculative": "multi_turn_speculative",
                     "teacher_only_prefill": "multi_turn_prefill"}  # fmt: skip
 """The multi-turn mode run in place of each single-turn mode (mix: refused by the config)."""
-GUIDED_SLOTS = ("guidance_log_probs", "target_log_probs", "guidance_lam", "draft_entropy",
-                "offpolicy")  # fmt: skip
+GUIDED_SLOTS = ("guidance_log_probs", "target_log_probs", "guidance_lam", "guidance_strength",
+                "draft_entropy", "offpolicy")  # fmt: skip
 """Per policy token slots of a guided turn, beside `rollout_log_probs` (the draft's log p)."""
 
 
@@ -168,6 +168,7 @@ class GuidedTurns:
             "guidance_log_probs": seq.guidance_log_probs,
             "target_log_probs": seq.target_log_probs or seq.guidance_log_probs,
             "guidance_lam": seq.lam or [self.lam] * n,
+            "guidance_strength": seq.strength or [self.lam] * n,
             "draft_entropy": seq.draft_entropy or [float("nan")] * n,
             "offpolicy": [float(o) for o in seq.offpolicy],
         }
@@ -266,6 +267,7 @@ def multi_turn_prefill(ctx: RolloutContext, job: Job) -> Generated:
     policy = packed["response_mask"].bool()
     packed.update(guidance_log_probs=guide * policy, target_log_probs=guide * policy,
                   guidance_lam=torch.full_like(guide, job.lam) * policy,
+                  guidance_strength=torch.full_like(guide, job.lam) * policy,
                   draft_entropy=torch.full_like(guide, float("nan")),
                   offpolicy=torch.zeros_like(guide))  # fmt: skip
     return Generated([], guided=np.zeros(len(job.prompts), dtype=bool), packed=packed)
@@ -315,7 +317,8 @@ def multi_turn_dataproto(
         target = packed["target_log_probs"].float()
         guided = np.zeros(b, dtype=bool) if guided is None else guided
         tensors.update(guidance_part(guidance, draft_lp, guide, target, packed["offpolicy"].bool(),
-                                     resp_mask, packed["guidance_lam"], entropy, lam, guided))  # fmt: skip
+                                     resp_mask, packed["guidance_lam"], entropy, lam, guided,
+                                     packed["guidance_strength"]))  # fmt: skip
     return DataProto.from_dict(tensors)
 
 

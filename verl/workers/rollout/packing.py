@@ -45,7 +45,7 @@ def _padded_rows(
     lam: float,
 ) -> dict[str, torch.Tensor]:
     """Per-sequence lists as padded tensors: prompts (B, P) left-padded, and per response token
-    (B, T): ids, mask, log p (floored), log q, log q̃, λ_t, the draft's entropy, off-policy."""
+    (B, T): ids, mask, log p (floored), log q, log q̃, λ'_t, λ_t, the draft's entropy, off-policy."""
     f32 = np.float32
     p_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     r_lengths = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long)
@@ -59,8 +59,10 @@ def _padded_rows(
         "guide_lp": padded([s.guidance_log_probs for s in seqs], r_len, 0.0, f32),
         # log q̃ of the sampled target (speculative rounds; else log q)
         "target_lp": padded([s.target_log_probs or s.guidance_log_probs for s in seqs], r_len, 0.0, f32),
-        # λ_t and the draft's H_t (speculative rounds; else the call's λ, NaN)
+        # λ'_t (the target's weight), λ_t as set and the draft's H_t (speculative rounds; else
+        # the call's λ, NaN)
         "lam_t": padded([s.lam for s in seqs], r_len, lam, np.float64),
+        "strength_t": padded([s.strength for s in seqs], r_len, lam, np.float64),
         "entropy": padded([s.draft_entropy if s.lam else [] for s in seqs], r_len, np.nan, f32),
         "off": padded([s.offpolicy for s in seqs], r_len, False, np.bool_),
     }  # fmt: skip
@@ -99,7 +101,8 @@ def to_dataproto(
         tensors.update(_topk_tensors(seqs, r_len, num_logprobs))
     if guidance.enable:
         tensors.update(guidance_part(guidance, draft_lp, rows["guide_lp"], rows["target_lp"],
-                                     rows["off"], resp_mask, lam_t, rows["entropy"], lam, guided))  # fmt: skip
+                                     rows["off"], resp_mask, lam_t, rows["entropy"], lam, guided,
+                                     rows["strength_t"]))  # fmt: skip
     return DataProto.from_dict(tensors)
 
 
@@ -114,15 +117,19 @@ def guidance_part(
     entropy: torch.Tensor,
     lam: float,
     guided: np.ndarray,
+    strength_t: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
     """A guided batch's tensors from its per-token (B, T) log p, log q, log q̃, off-policy flags,
-    λ_t and draft entropies: `guidance_tensors`' (μ and the masks; λ_t per token only where it
-    differs from the step's λ on some response token: a gate or a guided subset),
-    `guidance_lam`, `draft_entropy` and `guided_responses` (`guided`, (B,))."""
+    λ'_t and draft entropies: `guidance_tensors`' (μ and the masks; λ'_t per token only where it
+    differs from the step's λ on some response token: a gate, a guided subset, a top-K target),
+    `guidance_lam` (λ'_t, the guidance's weight in the sampled target), `guidance_strength`
+    (`strength_t`, λ_t as set, before a top-K target scales it), `draft_entropy` and
+    `guided_responses` (`guided`, (B,))."""
     per_token = bool((lam_t[response_mask.bool()] != lam).any())
     out = guidance_tensors(draft_lp, guide_lp, off, response_mask, lam_t if per_token else lam,
                            guidance.mode, guidance.behavior, target_lp)  # fmt: skip
-    out.update(guidance_lam=(lam_t * response_mask).float(), draft_entropy=entropy,
+    out.update(guidance_lam=(lam_t * response_mask).float(),
+               guidance_strength=(strength_t * response_mask).float(), draft_entropy=entropy,
                guided_responses=torch.from_numpy(guided))  # fmt: skip
     return out
 

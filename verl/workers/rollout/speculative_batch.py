@@ -47,7 +47,11 @@ class GuidedSequence:
     stopped: bool = False
     """It ended where the batch's `stop` rule said (e.g. at a tool call's closing string)."""
     lam: list[float] = field(default_factory=list)
-    """λ_t of each token's position (empty as `target_log_probs`)."""
+    """λ'_t of each token's position: the guidance's weight in the sampled target, which μ uses
+    (empty as `target_log_probs`)."""
+    strength: list[float] = field(default_factory=list)
+    """λ_t of each token's position as set (schedule, gate, subset, prefix), before a top-K target
+    scales it into λ'_t (empty as `target_log_probs`)."""
     draft_entropy: list[float] = field(default_factory=list)
     """The draft's entropy at each token's position, from its listed log-probs (`listed_entropy`;
     empty as `target_log_probs`)."""
@@ -199,7 +203,7 @@ class SpeculativeBatch:
         extra = self._bonus(result, num_proposed, bonus, uniforms[:, -1].numpy(), at)
         entropy_bk = torch.from_numpy(_scatter(entropy, seq, pos, result.tokens.shape))
         fields = (result.tokens, result.offpolicy, result.draft_log_probs, result.guidance_log_probs,
-                  result.target_log_probs, result.target_tv, result.lam, entropy_bk)  # fmt: skip
+                  result.target_log_probs, result.target_tv, result.lam, result.strength, entropy_bk)  # fmt: skip
         columns = zip(*(f.tolist() for f in fields), result.num_emitted.tolist(), strict=True)
         for i, (r, budget, (*values, emitted)) in enumerate(
             zip(self._rows, self._budget, columns, strict=True)
@@ -272,7 +276,7 @@ class SpeculativeBatch:
         u: np.ndarray,
         probe: DraftProbe | None,
     ) -> dict[int, tuple]:
-        """Bonus tokens by round row: (token, off-policy, log p, log q, log q̃, tv, λ_t, H_t) where every
+        """Bonus tokens by round row: (token, off-policy, log p, log q, log q̃, tv, λ'_t, λ_t, H_t) where every
         proposal was accepted and the draft drafted a lookahead. The uniform is the residual's
         column, which a round without rejection leaves unused."""
         if bonus is None or not bonus.has.any():
@@ -290,14 +294,24 @@ class SpeculativeBatch:
         drawn = draw_bonus(lookahead, guidance, lam, u[rows],
                            None if probe is None else lambda i, t: probe(rows[i], n[rows[i]], t), tv_lam)  # fmt: skip
         drawn["entropy"] = entropy
-        names = ("tokens", "offpolicy", "log_p", "log_q", "log_t", "tv", "lam", "entropy")
+        names = (
+            "tokens",
+            "offpolicy",
+            "log_p",
+            "log_q",
+            "log_t",
+            "tv",
+            "lam",
+            "strength",
+            "entropy",
+        )
         return {
             int(r): values
             for r, *values in zip(rows, *(drawn[k].tolist() for k in names), strict=True)
         }
 
     def _append(self, r: int, tokens: list, *values: list) -> None:
-        """Append emitted tokens and their (off-policy, log p, log q, log q̃, tv, λ_t, H_t) to
+        """Append emitted tokens and their (off-policy, log p, log q, log q̃, tv, λ'_t, λ_t, H_t) to
         sequence r, ending it at EOS, at `stop` or at its `max_new_tokens`."""
         seq = self.seqs[r]
         if self.eos_token_id in tokens:
@@ -313,13 +327,14 @@ class SpeculativeBatch:
             tokens, values = tokens[:keep], tuple(v[:keep] for v in values)
             seq.finished = seq.stopped = True
         seq.tokens += tokens
-        off, lp, lq, lt, tv, lam, entropy = values
+        off, lp, lq, lt, tv, lam, strength, entropy = values
         seq.offpolicy += off
         seq.draft_log_probs += lp
         seq.guidance_log_probs += lq
         seq.target_log_probs += lt
         seq.target_tv += tv
         seq.lam += lam
+        seq.strength += strength
         seq.draft_entropy += entropy
         self.stats.emitted += len(tokens)
         if len(seq.tokens) >= self.limits[r]:

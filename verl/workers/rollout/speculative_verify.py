@@ -48,7 +48,11 @@ class VerifyResult:
     """(B, k) TV(target, q_λ) = λ·(1 - Q_S) at each emitted token's position (0 where S holds
     all of q's mass)."""
     lam: torch.Tensor | None = None
-    """(B, k) λ_t of each emitted token's position (the round's λ, or its per-position values)."""
+    """(B, k) λ'_t of each emitted token's position: the guidance's weight in the target the round
+    sampled (the round's λ, or its per-position values; λ_t·Q_S under `draft_tail`)."""
+    strength: torch.Tensor | None = None
+    """(B, k) λ_t of each emitted token's position, as set (schedule, gate, subset, prefix) before
+    a top-K target turns it into λ'_t (`lam`); equal to `lam` where none does."""
 
 
 def verify_proposals(
@@ -118,6 +122,7 @@ def verify_proposals(
         target_log_probs=torch.where(valid, log_t_emitted, 0.0),
         target_tv=torch.where(valid, tv, 0.0),
         lam=torch.where(valid, lam, 0.0),
+        strength=torch.where(valid, lam, 0.0),
     )
 
 
@@ -197,7 +202,9 @@ def verify_listed(
     tokens = np.full((batch, k), -1, dtype=np.int64)
     tokens[at_seq, at_pos] = proposals[kept]
     tv = (lam if tv_lam is None else tv_lam) * np.clip(1.0 - np.exp(log_mass), 0.0, None)
-    per_row = {"log_p": log_p_x, "log_q": log_q_x, "log_t": log_t_x, "tv": tv, "lam": lam}
+    strength = lam if tv_lam is None else tv_lam
+    per_row = {"log_p": log_p_x, "log_q": log_q_x, "log_t": log_t_x, "tv": tv, "lam": lam,
+               "strength": strength}  # fmt: skip
     out = {name: np.zeros((batch, k)) for name in per_row}  # (B, k) per emitted token
     for name, values in per_row.items():
         out[name][at_seq, at_pos] = values[kept]
@@ -211,6 +218,7 @@ def verify_listed(
         out["log_p"][rows, cols], out["log_t"][rows, cols] = log_p_y, log_t_y
         out["log_q"][rows, cols] = log_t_y + log_mass[at]
         out["tv"][rows, cols], out["lam"][rows, cols] = tv[at], lam[at]
+        out["strength"][rows, cols] = strength[at]
         offpolicy[rows, cols] = True
     return VerifyResult(
         tokens=torch.from_numpy(tokens),
@@ -222,6 +230,7 @@ def verify_listed(
         target_log_probs=torch.from_numpy(out["log_t"]),
         target_tv=torch.from_numpy(out["tv"]),
         lam=torch.from_numpy(out["lam"]),
+        strength=torch.from_numpy(out["strength"]),
     )
 
 
@@ -299,7 +308,7 @@ def draw_bonus(
 
     Rows (R, K+1) as in `ListedRows`, uniforms (R,), `lam` a float or λ_t per row (R,); returns
     (R,) arrays by name: tokens, offpolicy, log_p, log_q, log_t (log q̃), tv (λ·(1 - Q_S), λ from
-    `tv_lam` when given), lam. A y the draft's row does not give
+    `tv_lam` when given), lam (λ'), strength (λ as set: `tv_lam`, else `lam`). A y the draft's row does not give
     gets its log p from `probe(row indices (R',), tokens (R', 1))`; without a probe it raises.
     log q of a lookahead x outside S is -inf where the guidance row lists its whole support and
     NaN where it does not (not reported; its q̃ is exactly 0 either way).
@@ -328,7 +337,7 @@ def draw_bonus(
     return {"tokens": tokens, "offpolicy": from_q, "log_p": log_p, "log_q": log_q,
             "log_t": np.where(in_s, log_q - log_mass, NEG_INF),
             "tv": (lam if tv_lam is None else tv_lam) * np.clip(1.0 - np.exp(log_mass), 0.0, None),
-            "lam": lam.copy()}  # fmt: skip
+            "lam": lam.copy(), "strength": (lam if tv_lam is None else np.asarray(tv_lam)).copy()}  # fmt: skip
 
 
 def _inverse_cdf(weights: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
