@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Guided GRPO with tool use (multi-turn): Qwen2.5-1.5B-Instruct draft, Qwen2.5-7B-Instruct guidance,
 # math12k, the built-in `calculator` tool in Qwen's hermes format (<tool_call>{json}</tool_call>).
-# Each prompt gets the tool instructions as a system message; a turn stops at </tool_call>, the
-# call runs, its result is appended as tool-turn tokens of Qwen's chat template (response_mask 0),
+# Each prompt gets the tool instructions as a system message; a turn ends at <|im_end|>, all its
+# calls run, their results are appended in call order as tool-turn tokens of Qwen's chat template
+# (response_mask 0),
 # and every policy turn is guided token by token (speculative mode, exact behavior log-probs).
 # Never run on a GPU by us (no machine of ours has vLLM on one): run `make gpu-check` first.
 # Hardware: one node, 8 x 80 GB GPUs. Environment: MODEL_PATH, GUIDANCE_PATH, TRAIN_FILES,

@@ -203,7 +203,7 @@ _DOCS = (
     # ---------------------------------------------------------------- Multi-turn
     MetricDoc(M.MULTITURN_TURNS_MEAN, _MT, "Mean policy turns per episode (`worker.rollout.multi_turn`).", "Between 1 and `max_turns`; 1 means the policy never calls a tool."),
     MetricDoc(M.MULTITURN_TOOL_CALLS_MEAN, _MT, "Mean tool calls run per episode.", "—"),
-    MetricDoc(M.MULTITURN_TOOL_ERROR_FRAC, _MT, "Share of the tool calls run whose status is not ok (a raising tool, a timeout, an unknown tool, a malformed call).", "Low, and falling as the policy learns the call format."),
+    MetricDoc(M.MULTITURN_TOOL_ERROR_FRAC, _MT, "Share of the tool calls run whose status is not ok (a raising tool, a timeout, an unknown tool, a malformed call, a call not run because every tool slot is held by a hung call).", "Low, and falling as the policy learns the call format."),
     MetricDoc(M.MULTITURN_TRUNCATED_FRAC, _MT, "Share of episodes cut: the response budget ran out, or `max_turns` was reached with calls left unanswered.", "Near 0; raise `response_length` or `max_turns` if not."),
     MetricDoc(M.MULTITURN_TOOL_TOKEN_FRAC, _MT, "Tool tokens (response_mask 0: context, never trained on) over all kept response tokens.", "—"),
     MetricDoc(M.MULTITURN_RETOKENIZED_FRAC, _MT, "Diagnostic: share of kept response tokens that a text round trip (decode the episode, tokenize it again) would change; what an agent loop that re-tokenizes its history would train on instead of the sampled tokens. Training never uses the re-encoded ids.", "Any value: token-in/token-out keeps the sampled ids whatever it is; `mismatch/kl_v1`, `kl_v2` stay small."),

@@ -2,11 +2,12 @@
 by speculative guidance toward q_λ (`multi_turn_speculative`), or draft-only and scored by the
 guidance in one prefill at λ = 0 (`multi_turn_prefill`).
 
-Both tiny char models are edited to close a call (`]`, the embedded format's stop string) often,
-with different strengths, so episodes run several turns and the two models disagree. Log-probs
-cover the whole 100-token vocabulary, so q̃ = q and the behavior μ of every policy token is
-exactly log((1-λ)·p + λ·q), p and q from HF forwards of the whole multi-turn sequence (prompt,
-turns and tool deltas as one context).
+Both tiny char models are built to write the call `[sq:7]` (`save_call_writing_lm`), the draft
+almost surely (P(next character) = e^16 / (e^16 + 99)), the guidance less so (e^6.4 / (e^6.4 +
+99) ≈ 0.86), so episodes run several turns, most calls succeed (`=49\\n` follows) and the two
+models disagree. Log-probs cover the whole 100-token vocabulary, so q̃ = q and the behavior μ of
+every policy token is exactly log((1-λ)·p + λ·q), p and q from HF forwards of the whole
+multi-turn sequence (prompt, turns and tool deltas as one context).
 """
 
 from __future__ import annotations
@@ -14,33 +15,44 @@ from __future__ import annotations
 import pytest
 import torch
 from test_multi_turn_rollout import (
+    CALL,
+    RESULT_DELTA,
+    SQ_TOOL,
     _runs,
     multi_turn_config,
     prompt_batch,
+    save_call_writing_lm,
+    tool_runs,
 )
 
-from verl.tasks.tiny_lm import save_call_prone_lm
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
 pytestmark = pytest.mark.vllm
 RESPONSE_LENGTH, LAM = 64, 0.5
-PROMPTS = ["[lookup:k0", "[lookup:k4", "k2", "[lookup:k9"]
+PROMPTS = ["a ", "b ", "c ", "d "]
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[str, str]:
     root = tmp_path_factory.mktemp("mt_pair")
-    return (save_call_prone_lm(str(root / "draft"), seed=3, weight=40.0),
-            save_call_prone_lm(str(root / "guidance"), seed=5, weight=12.0))  # fmt: skip
+    return (save_call_writing_lm(str(root / "draft"), weight=2.0),
+            save_call_writing_lm(str(root / "guidance"), weight=0.8))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def guided(pair):
+def sq_tool(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("mt_tool") / "sq_tool.py"
+    path.write_text(SQ_TOOL)
+    return f"{path}:sq"
+
+
+@pytest.fixture(scope="module")
+def guided(pair, sq_tool):
     from transformers import AutoTokenizer
 
     draft, guide = pair
     tok = AutoTokenizer.from_pretrained(draft)
-    cfg = multi_turn_config(n=4, response_length=RESPONSE_LENGTH)
+    cfg = multi_turn_config(n=4, response_length=RESPONSE_LENGTH, tools=[sq_tool])
     g = cfg.offpolicy_guidance
     g.enable, g.model_path, g.dtype, g.logprobs, g.gpu_memory_utilization = (
         True,
@@ -77,19 +89,43 @@ def speculative_batch(guided):
     return out, tok
 
 
+def test_guided_turns_call_the_tool_and_read_its_result(speculative_batch):
+    """A turn `[sq:7]` is followed by the tool tokens `=49\\n` (7² = 49); a turn the guidance
+    made malformed gets its error text (`=error: ...`, cut to 16 characters); some calls
+    succeed."""
+    out, tok = speculative_batch
+    b = out.batch
+    runs = [run for i in range(len(b["responses"])) for run in tool_runs(b, tok, i)]
+    assert sum(run == (CALL, RESULT_DELTA) for run in runs) >= 2
+    for turn, result in runs:
+        if turn == CALL:
+            assert result == RESULT_DELTA
+        else:
+            assert all(line == "=49" or line.startswith("=error: ") for line in result.splitlines())
+    ok = sum(run == (CALL, RESULT_DELTA) for run in runs)
+    assert int(b["multiturn_num_tool_calls"].sum() - b["multiturn_num_tool_errors"].sum()) >= ok
+
+
 def test_guided_turns_carry_exact_behavior_log_probs(speculative_batch, pair):
     out, _ = speculative_batch
     b = out.batch
     policy, tool = b["response_mask"].bool(), b["tool_mask"].bool()
-    assert tool.any(), "the edited models must call tools"
+    assert tool.any(), "the built models must call tools"
     off = b["offpolicy_mask"]
     assert off.any(), "λ = 0.5 with two different models: some tokens are the guidance's"
     assert not (off & ~policy).any()  # provenance only on policy tokens
-    for key in ("behavior_log_probs", "guidance_log_probs", "rollout_log_probs", "guidance_lam"):
+    for key in (
+        "behavior_log_probs",
+        "guidance_log_probs",
+        "rollout_log_probs",
+        "guidance_lam",
+        "guidance_strength",
+    ):
         assert (b[key][~policy] == 0).all(), key  # tool tokens and padding carry nothing
     # λ·Q_S under the default draft_tail; K = V here, so Q_S = 1 up to float32 rounding
     torch.testing.assert_close(b["guidance_lam"][policy], torch.full_like(b["guidance_lam"][policy], LAM),
                                rtol=0, atol=1e-6)  # fmt: skip
+    assert (b["guidance_strength"][policy] == LAM).all()  # λ_t as set: the step's λ, no gate
     for i in range(len(b["responses"])):
         p = hf_log_probs(pair[0], b, i)
         q = hf_log_probs(pair[1], b, i)

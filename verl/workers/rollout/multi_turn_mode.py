@@ -113,7 +113,8 @@ def draft_turns(ctx: RolloutContext, runtime: MultiTurnRuntime, seeds: np.ndarra
 
 @dataclass
 class GuidedTurns:
-    """Turns by speculative guidance (`run_rounds`), ended at the format's stop strings. Episode
+    """Turns by speculative guidance (`run_rounds`), ended at the format's stop strings (none for
+    hermes: at EOS). Episode
     i (a row of `prompts`) is guided when `guided[i]` (else λ_t = 0), its acceptance draws seeded
     `seeds[i, 1]` + k - 1 at turn k, and keeps its sessions on both engines from turn to turn
     (named by i: a turn computes only the tool delta and its own tokens). Keeps every turn's
@@ -192,7 +193,7 @@ def run_episodes(
         for i, made_i, outcome in zip(active, made, outcomes, strict=True):
             episodes[i].add_turn(made_i.ids, **made_i.slots)
             outcome.append_to(episodes[i])
-            if made_i.reason == "tool_call" and outcome.calls and not outcome.continues:
+            if outcome.unanswered:
                 cut[i] = True  # max_turns reached with calls left
             elif outcome.continues and len(episodes[i].response_ids) >= limit:
                 cut[i] = True  # the delta used up (or overran) the budget

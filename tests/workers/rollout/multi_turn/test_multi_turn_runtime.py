@@ -47,6 +47,17 @@ def test_one_step_over_a_batch_of_turns(char):
     # 9999*999 = 9989001 -> "998900"
     assert deltas == ["=70\n", None, None, "=error:\n", "=998001\n", "=998900\n", None]
     assert [o.delta.truncated for o in outcomes if o.delta] == [[False], [True], [False], [True]]
+    # counted as truncated: the cut result 998900, not the cut error text
+    counts = []
+    for outcome in outcomes:
+        if outcome.delta is not None:
+            trajectory = Trajectory([0])
+            trajectory.add_turn([1])
+            outcome.append_to(trajectory)
+            counts.append(trajectory.tool_truncated)
+    assert counts == [0, 0, 0, 1]
+    # a turn ended at EOS is not answered in the embedded format
+    assert not runtime.step(["[lookup:k07"], ["eos"], [1])[0].continues
     with pytest.raises(
         ValueError, match="finish reason 'stop' is not valid; valid: tool_call, eos, length"
     ):
@@ -94,21 +105,44 @@ def test_the_calls_of_a_whole_batch_run_together(char, tmp_path):
     ]
 
 
-def test_hermes_on_the_smollm2_template(real_pair):
+def test_hermes_two_calls_in_one_turn_on_the_smollm2_template(real_pair):
+    """A hermes turn ends at EOS: both its calls run and their results follow in call order (one
+    ChatML tool turn each), after the turn's own `<|im_end|>`. The same turn cut by the length
+    limit, or as the `max_turns`-th, is not answered."""
     from transformers import AutoTokenizer
 
     smol = AutoTokenizer.from_pretrained(real_pair.guidance)
-    config = MultiTurnConfig(enable=True, tools=["lookup", "calculator"])
+    config = MultiTurnConfig(enable=True, tools=["lookup", "calculator"], max_turns=2)
     runtime = MultiTurnRuntime(config, smol)
-    assert runtime.stop_strings == ["</tool_call>"]
+    assert runtime.stop_strings == []
     instructions = runtime.instructions()
     assert '"name": "lookup"' in instructions and '"name": "calculator"' in instructions
-    call = get_format("hermes").render_call("calculator", {"expression": "(12+79)//7"})
-    (outcome,) = runtime.step([f"Let me compute. {call}"], ["tool_call"], [1])
-    assert outcome.continues and outcome.results[0].text == "13"
-    assert outcome.delta.ids == tool_delta_ids(smol, ["13"]).ids
-    assert decode(smol, outcome.delta.ids) == (
-        "<|im_end|>\n<|im_start|>tool\n13<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+    hermes = get_format("hermes")
+    calc = hermes.render_call("calculator", {"expression": "(12+79)//7"})
+    text = f"Let me compute. {calc}\n{hermes.render_call('lookup', {'key': 'k07'})}"
+    answered, cut, last = runtime.step([text] * 3, ["eos", "length", "eos"], [1, 1, 2])
+    # (12+79)//7 = 13; k07 -> (37·7 + 11) mod 100 = 70
+    assert answered.continues and [(r.status, r.text) for r in answered.results] == [
+        ("ok", "13"), ("ok", "70")]  # fmt: skip
+    assert decode(smol, answered.delta.ids) == (
+        "\n<|im_start|>tool\n13<|im_end|>\n"
+        "<|im_start|>tool\n70<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+    assert not cut.continues and not cut.unanswered and len(cut.calls) == 2
+    assert not last.continues and last.unanswered and last.delta is None
+    trajectory = Trajectory([1])
+    trajectory.add_turn(smol(text, add_special_tokens=False)["input_ids"] + [smol.eos_token_id])
+    answered.append_to(trajectory)
+    assert trajectory.tool_statuses == ["ok", "ok"] and trajectory.tool_truncated == 0
+
+
+def test_a_prompt_that_ends_inside_a_call_does_not_make_the_turn_a_call(char):
+    """Calls are read from the turn's own text: a prompt ending "[lookup:k0" followed by a turn
+    "7]" gives a malformed call ("] without ["), answered with that error."""
+    runtime = MultiTurnRuntime(EMBEDDED, char, use_chat_template=False)
+    (outcome,) = runtime.step(["7]"], ["tool_call"], [1])
+    assert [c.error for c in outcome.calls] == ["] without ["]
+    assert [(r.status, r.text) for r in outcome.results] == [
+        ("malformed", "error: malformed tool call: ] without [")]  # fmt: skip
 
 
 def test_turn_end_is_where_the_engine_would_stop(char):
@@ -124,20 +158,17 @@ def test_turn_end_is_where_the_engine_would_stop(char):
     assert runtime.turn_text(ids[:13]) == "ab[lookup:k07"  # no stop string: the whole text
 
 
-def test_turn_end_with_a_multi_token_stop_string(real_pair):
-    """hermes's `</tool_call>` spans several SmolLM2 tokens: the turn ends at the token that
-    completes it (every shorter prefix's text lacks it)."""
+def test_a_hermes_turn_has_no_stop_string(real_pair):
+    """hermes has no stop string: a guided turn runs to EOS (`turn_end` None) and its text is
+    the whole text, calls and what follows them."""
     from transformers import AutoTokenizer
 
     smol = AutoTokenizer.from_pretrained(real_pair.guidance)
     runtime = MultiTurnRuntime(MultiTurnConfig(enable=True, tools=["calculator"]), smol)
     call = get_format("hermes").render_call("calculator", {"expression": "1+2"})
     ids = smol(f"Sure. {call} and more text", add_special_tokens=False)["input_ids"]
-    end = runtime.turn_end(ids)
-    assert end is not None and end < len(ids)
-    assert "</tool_call>" in smol.decode(ids[:end])
-    assert "</tool_call>" not in smol.decode(ids[: end - 1])
-    assert runtime.turn_text(ids) == f"Sure. {call}"
+    assert runtime.turn_end(ids) is None
+    assert runtime.turn_text(ids) == f"Sure. {call} and more text"
 
 
 def test_retokenized_tokens_counts_what_a_text_round_trip_changes(real_pair):

@@ -20,7 +20,10 @@ def summary(text: str, fmt=HERMES) -> tuple[list[tuple], bool]:
 
 def test_registry_and_stop_strings():
     assert TOOL_CALL_FORMATS.names() == ["embedded", "hermes"]
-    assert HERMES.stop_strings == ("</tool_call>",) and EMBEDDED.stop_strings == ("]",)
+    # hermes: no stop string, the turn ends at EOS and all its calls run; embedded: one call per
+    # turn, the turn stops at its "]" and a turn ended at EOS is not answered
+    assert HERMES.stop_strings == () and HERMES.answers_at_eos
+    assert EMBEDDED.stop_strings == ("]",) and not EMBEDDED.answers_at_eos
     with pytest.raises(ValueError, match="unknown tool call format 'xml'; valid: embedded, hermes"):
         get_format("xml")
 
@@ -58,6 +61,19 @@ def test_hermes_malformed_calls_are_kept_with_the_reason(text, error):
     assert malformed and len(calls) == 1 and calls[0].error == error
 
 
+def test_hermes_two_calls_as_qwen_writes_them():
+    """Qwen2.5 / Qwen3 write each call on its own lines, one after the other, then end the turn:
+    both calls are read, in order, with their texts."""
+    first = '<tool_call>\n{"name": "lookup", "arguments": {"key": "k07"}}\n</tool_call>'
+    second = (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "70+5"}}\n</tool_call>'
+    )
+    calls, malformed = HERMES.parse(f"I need two values.\n{first}\n{second}")
+    assert not malformed
+    assert calls == [ToolCall("lookup", {"key": "k07"}, first),
+                     ToolCall("calculator", {"expression": "70+5"}, second)]  # fmt: skip
+
+
 def test_hermes_a_bad_call_beside_good_ones():
     text = ('<tool_call>{"name": "a", "arguments": {}}</tool_call> then '
             "<tool_call>{oops}</tool_call> and </tool_call>")  # fmt: skip
@@ -73,6 +89,7 @@ def test_hermes_render_call_parses_back_and_instructions_list_the_tools():
     tools = lines[lines.index("<tools>") + 1 : lines.index("</tools>")]
     assert [json.loads(line) for line in tools] == schemas
     assert "<tool_call>" in lines and "</tool_call>" in lines
+    assert "You may write several calls, one after the other" in HERMES.instructions(schemas)
 
 
 def test_embedded_calls():

@@ -156,3 +156,66 @@ def test_the_plain_format_is_chosen_when_the_prompts_do_not_use_the_template(smo
     char = char_tokenizer(build_char_tokenizer().chat_template)  # the char tokenizer has ChatML
     assert text_of(char, tool_delta_ids(char, ["70"]).ids) == CHATML_DELTA
     assert text_of(char, tool_delta_ids(char, ["70"], use_chat_template=False).ids) == "=70\n"
+
+
+def test_after_eos_the_delta_starts_after_the_sampled_close(smol):
+    """A hermes turn ends at EOS (`<|im_end|>`, sampled by the policy): the delta starts after it,
+    so the turn's own EOS closes it; without `after_eos` the delta closes the turn itself."""
+    assert smol.eos_token == "<|im_end|>"
+    delta = tool_delta_ids(smol, ["70", "75"], after_eos=True)
+    assert text_of(smol, delta.ids) == (
+        "\n<|im_start|>tool\n70<|im_end|>\n"
+        "<|im_start|>tool\n75<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+    assert delta.ids == tool_delta_ids(smol, ["70", "75"]).ids[1:]
+    plain = tool_delta_ids(smol, ["70"], use_chat_template=False, after_eos=True)
+    assert text_of(smol, plain.ids) == "=70\n"  # no close to skip
+
+
+QWEN_TOOLS = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}{%- set tool_call = tool_call.function %}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""Qwen2.5's chat template without its system and tools preamble: user and plain assistant
+turns, an assistant turn with tool calls, and consecutive tool messages in one user turn."""
+
+
+def test_two_results_in_one_user_turn_as_qwen_renders_them():
+    """A turn with two hermes calls, ended at EOS, then its two results and a final answer: the
+    trajectory (prompt, the turn as sampled, the delta, the final turn) is the template's
+    rendering of the conversation, the results in call order inside one user turn."""
+    tokenizer = char_tokenizer(QWEN_TOOLS)
+    assert tool_role(tokenizer) == "tool"  # Qwen renders the role `tool` (as a user turn)
+    delta = tool_delta_ids(tokenizer, ["70", "75"], after_eos=True)
+    assert text_of(tokenizer, delta.ids) == (
+        "\n<|im_start|>user\n<tool_response>\n70\n</tool_response>\n<tool_response>\n75\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+    calls = [("lookup", {"key": "k07"}), ("calculator", {"expression": "70+5"})]
+    turn = "\n".join(get_format("hermes").render_call(n, a) for n, a in calls)
+    question = [{"role": "user", "content": "k07 and k07+5?"}]
+    prompt = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    ids = [*tokenizer(prompt + turn, add_special_tokens=False)["input_ids"],
+           tokenizer.eos_token_id, *delta.ids,
+           *tokenizer("70, 75", add_special_tokens=False)["input_ids"],
+           tokenizer.eos_token_id]  # fmt: skip
+    messages = [*question,
+                {"role": "assistant", "content": "",
+                 "tool_calls": [{"type": "function", "function": {"name": n, "arguments": a}}
+                                for n, a in calls]},
+                {"role": "tool", "content": "70"}, {"role": "tool", "content": "75"},
+                {"role": "assistant", "content": "70, 75"}]  # fmt: skip
+    # the rendering ends "<|im_end|>\n"; the final turn stops at its EOS, before the "\n"
+    assert text_of(tokenizer, ids) + "\n" == tokenizer.apply_chat_template(messages, tokenize=False)

@@ -1,6 +1,7 @@
 """Tools (verl/workers/rollout/multi_turn/tools.py): descriptions from signatures and docstrings,
-the built-in lookup and calculator, and `run_tool_calls`, which never raises and never lets a
-slow tool hold the others (timeouts tested with Events, no wall-clock assertion)."""
+the built-in lookup and calculator, and `run_tool_calls`, which never raises, never lets a slow
+tool hold the others, and bounds the threads hung calls keep (timeouts tested with Events, no
+wall-clock assertion)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from verl.workers.rollout.multi_turn.parsing import ToolCall
 from verl.workers.rollout.multi_turn.tools import (
     LOOKUP_TABLE,
     Tool,
+    ToolSlots,
     calculator,
     describe_tool,
     load_tools,
@@ -162,7 +164,7 @@ def test_every_failure_becomes_a_result_with_a_status():
         ToolCall("listing", ["three"]),
         ToolCall("calc", ["1//0"]),
     ]
-    results = run_tool_calls(calls, tools, timeout_s=30.0, max_parallel=4)
+    results = run_tool_calls(calls, tools, timeout_s=30.0, slots=4)
     assert [(r.name, r.status, r.text) for r in results] == [
         ("lookup", "ok", "70"),
         ("boom", "error", "error: RuntimeError: bad 3"),
@@ -194,24 +196,24 @@ def test_a_hung_tool_times_out_and_the_others_finish():
     tools = {"slow": waiting_tool(release), "lookup": tool(lookup)}
     calls = [ToolCall("slow", {"key": "a"}), ToolCall("lookup", {"key": "k00"})]
     try:
-        results = run_tool_calls(calls, tools, timeout_s=1.0, max_parallel=2)
+        results = run_tool_calls(calls, tools, timeout_s=1.0, slots=2)
     finally:
         release.set()
     assert [(r.status, r.text) for r in results] == [
         ("timeout", "error: tool 'slow' timed out after 1 s"), ("ok", "11")]  # fmt: skip
 
 
-def test_a_timed_out_tool_frees_its_place_for_the_next_call():
-    """One place (max_parallel=1), the hung call first: the second runs after its timeout."""
+def test_a_timed_out_tool_keeps_its_place_until_it_returns():
+    """One slot, the hung call first: it times out but its thread still runs and holds the slot,
+    so the second call is not run (`unavailable`) rather than waiting behind it."""
     release, started = threading.Event(), threading.Event()
     tools = {"slow": waiting_tool(release, started), "lookup": tool(lookup)}
     calls = [ToolCall("slow", {"key": "a"}), ToolCall("lookup", {"key": "k07"})]
     try:
-        results = run_tool_calls(calls, tools, timeout_s=0.5, max_parallel=1)
+        results = run_tool_calls(calls, tools, timeout_s=0.5, slots=1)
     finally:
         release.set()
-    assert started.is_set() and [r.status for r in results] == ["timeout", "ok"]
-    assert results[1].text == "70"
+    assert started.is_set() and [r.status for r in results] == ["timeout", "unavailable"]
 
 
 def test_calls_run_concurrently():
@@ -224,5 +226,72 @@ def test_calls_run_concurrently():
         return name
 
     calls = [ToolCall("meet", {"name": "a"}), ToolCall("meet", {"name": "b"})]
-    results = run_tool_calls(calls, {"meet": tool(meet)}, timeout_s=60.0, max_parallel=2)
+    results = run_tool_calls(calls, {"meet": tool(meet)}, timeout_s=60.0, slots=2)
     assert [(r.status, r.text) for r in results] == [("ok", "a"), ("ok", "b")]
+
+
+def tool_threads(name: str) -> int:
+    return sum(t.name == f"tool-{name}" and t.is_alive() for t in threading.enumerate())
+
+
+def test_hung_calls_hold_at_most_the_slots_and_free_them_when_they_return():
+    """Slots of size 2 shared over batches: two calls that never return (until released) time
+    out and keep their threads; the next batches' calls get `unavailable` at once, no thread is
+    started for them (2 hung threads after 5 batches, not 5); once the hung calls return, their
+    slots are free and a call runs again."""
+    release = threading.Event()
+
+    def hang(key: str) -> str:
+        """Never return until released."""
+        release.wait()
+        return "late"
+
+    tools = {"hang": tool(hang), "lookup": tool(lookup)}
+    slots = ToolSlots(2)
+    try:
+        first = run_tool_calls([ToolCall("hang", {"key": "a"}), ToolCall("hang", {"key": "b"})],
+                               tools, timeout_s=0.2, slots=slots)  # fmt: skip
+        assert [r.status for r in first] == ["timeout", "timeout"]
+        assert slots.hung == 2 and tool_threads("hang") == 2
+        for _ in range(4):
+            calls = [ToolCall("hang", {"key": "c"}), ToolCall("lookup", {"key": "k07"})]
+            later = run_tool_calls(calls, tools, timeout_s=0.2, slots=slots)
+            assert [(r.status, r.text) for r in later] == [
+                ("unavailable", "error: tool 'hang' not run: all 2 tool slots are held by calls "
+                                "that timed out and have not returned"),
+                ("unavailable", "error: tool 'lookup' not run: all 2 tool slots are held by calls "
+                                "that timed out and have not returned")]  # fmt: skip
+        assert slots.hung == 2 and tool_threads("hang") == 2
+    finally:
+        release.set()
+    for thread in [t for t in threading.enumerate() if t.name == "tool-hang"]:
+        thread.join(timeout=30)
+    assert slots.hung == 0 and tool_threads("hang") == 0
+    again = run_tool_calls([ToolCall("lookup", {"key": "k07"})], tools, timeout_s=5.0, slots=slots)
+    assert [(r.status, r.text) for r in again] == [("ok", "70")]
+
+
+def test_one_hung_call_leaves_the_other_slot_to_the_batch():
+    """Slots of size 2, one held by a hung call: the next batch's three calls run one at a time
+    in the free slot, all ok."""
+    release = threading.Event()
+
+    def hang(key: str) -> str:
+        """Never return until released."""
+        release.wait()
+        return "late"
+
+    tools = {"hang": tool(hang), "lookup": tool(lookup)}
+    slots = ToolSlots(2)
+    try:
+        (first,) = run_tool_calls(
+            [ToolCall("hang", {"key": "a"})], tools, timeout_s=0.2, slots=slots
+        )
+        assert first.status == "timeout" and slots.hung == 1
+        keys = ["k00", "k01", "k07"]
+        results = run_tool_calls([ToolCall("lookup", {"key": k}) for k in keys], tools,
+                                 timeout_s=5.0, slots=slots)  # fmt: skip
+        # (37·n + 11) mod 100: 11, 48, 70
+        assert [(r.status, r.text) for r in results] == [("ok", "11"), ("ok", "48"), ("ok", "70")]
+    finally:
+        release.set()

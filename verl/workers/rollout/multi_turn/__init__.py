@@ -15,19 +15,23 @@ The turn loop on the engines (`../multi_turn_mode.py`)
 For a batch of episodes, each with one session per engine (draft, and guidance when enabled):
 
 1. Generate one turn for every active episode with the format's stop strings
-   (`runtime.stop_strings`, kept in the output) and EOS, at most `response_length - used`
-   tokens. Guided speculative rounds run unchanged inside a turn; the rollout checks the decoded
-   *emitted* tokens for a stop string after each round and cuts the turn at the token completing
-   it (`MultiTurnRuntime.turn_end`). The tokens dropped after it were never part of the episode:
-   the cut is a stopping time (a function of the prefix), so the kept tokens' μ is unchanged.
+   (`runtime.stop_strings`, kept in the output: the embedded format's `]`; none for hermes, whose
+   turn ends at EOS, `<|im_end|>`, holding any number of calls) and EOS, at most
+   `response_length - used` tokens. Guided speculative rounds run unchanged inside a turn; the
+   rollout checks the decoded *emitted* tokens for a stop string after each round and cuts the
+   turn at the token completing it (`MultiTurnRuntime.turn_end`). The tokens dropped after it
+   were never part of the episode: the cut is a stopping time (a function of the prefix), so the
+   kept tokens' μ is unchanged.
    (Mix mode is refused with multi-turn.)
 2. Record the turn: `trajectory.add_turn(ids, rollout_log_probs=..., behavior_log_probs=...,
    offpolicy_mask=..., ...)`, one value per sampled token; μ stays exact per policy token.
-3. `runtime.step(texts, finish_reasons, turns_done)`: parse every turn; the calls of all
-   episodes that continue (ended at a stop string, made a call, turns left) run concurrently in
-   threads (`max_parallel_tools`, `tool_timeout_s`; never raising: errors, timeouts, unknown
-   tools and malformed calls become error texts the policy reads, with a status for the
-   metrics); each continuing episode gets its delta (`outcome.append_to(trajectory)`).
+3. `runtime.step(texts, finish_reasons, turns_done)`: parse every turn (its own text only); the
+   calls of all episodes that continue (ended at a stop string, or at EOS for hermes, made a
+   call, turns left) run concurrently in threads (`tool_timeout_s`; at most `max_parallel_tools`
+   threads over the run, hung calls included: `tools.ToolSlots`; never raising: errors,
+   timeouts, unknown tools and malformed calls become error texts the policy reads, with a
+   status for the metrics); each continuing episode gets its delta, one result per call in call
+   order (`outcome.append_to(trajectory)`).
 4. Append the delta as *prompt* tokens to the episode's sessions on both engines (resume the
    session with prompt + response so far + delta): nothing is sampled there, no log-probs or μ
    are needed for them, and the guidance's next rounds see exactly the tokens the draft sees
@@ -50,21 +54,12 @@ and `compute` (score position: the last token with response_mask 1, the final tu
 score would land on a masked token and be lost), `RayPPOTrainer._val_samples` and
 `val/response_length`, `trainer/metrics.compute_data_metrics` (`response_length/*`, clip ratio).
 
-Wiring done: `RolloutConfig.multi_turn` (validated; mix and keep_topk refused with guidance),
-`main.resolve_tools` in `check_inputs`, `main.tool_instructions` (the system message of chat
-prompts), the multi-turn generation modes (draft-only, speculative with each episode's sessions
-kept across turns, λ = 0 prefill scoring), the multiturn/* metric names, `response_length/*`,
-`val/response_length` and the validation samples counting tool tokens.
-
-Left to do
-----------
-- `load_reward_function` can delegate to
-  `verl.utils.user_functions.load_function(spec, REWARD_FUNCTIONS, "worker.reward.reward_function")`
-  (same errors, tested).
-- `tools=` of `apply_chat_template` where the template renders tools itself (Qwen2.5), in place of
-  the format's own instructions as the system message.
-- Per-status tool metrics (`tools.TOOL_STATUSES`) and the tool-delta truncations; a per-turn
-  structure in the reward input.
+Where it is wired: `RolloutConfig.multi_turn` (validated; mix and keep_topk refused with
+guidance), `main.resolve_tools` in `check_inputs`, `main.tool_instructions` (the system message
+of chat prompts), the multi-turn generation modes of `../multi_turn_mode.py` (draft-only,
+speculative with each episode's sessions kept across turns, λ = 0 prefill scoring), and the
+multiturn/* metrics (per tool status included). What it does not do yet is listed in
+README_guidance.md's known limits.
 """
 
 from verl.workers.rollout.multi_turn.config import MultiTurnConfig
@@ -79,6 +74,7 @@ from verl.workers.rollout.multi_turn.tools import (
     TOOLS,
     Tool,
     ToolResult,
+    ToolSlots,
     describe_tool,
     load_tools,
     run_tool_calls,
@@ -95,6 +91,7 @@ __all__ = [
     "ToolCall",
     "ToolDelta",
     "ToolResult",
+    "ToolSlots",
     "Trajectory",
     "TurnOutcome",
     "describe_tool",

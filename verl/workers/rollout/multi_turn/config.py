@@ -21,15 +21,18 @@ class MultiTurnConfig:
     tools: list[str] = field(default_factory=list)
     """Tools the policy may call: built-in names (TOOLS) or path/to/file.py:function_name."""
     max_tool_response_length: int = 256
-    """Tokens of a tool result kept; a longer one is cut there and counted as truncated."""
+    """Tokens of a tool's text kept; a longer one is cut there (a cut result, not a cut error
+    text, counts as truncated)."""
     tool_timeout_s: float = 10.0
-    """Seconds a tool call may run; past it the call's result is a timeout error."""
+    """Seconds a tool call may run; past it the call's result is a timeout error (its thread
+    runs on, holding one of max_parallel_tools)."""
     tool_call_format: str = "hermes"
     """How the policy writes a tool call (TOOL_CALL_FORMATS): hermes or embedded."""
     max_parallel_tools: int = 8
-    """Tool calls of a batch run at once at most (threads)."""
+    """Tool threads at most, hung calls (timed out, still running) included."""
     chat_template: bool = True
-    """auto: data.apply_chat_template (tool results as chat-template tool turns, else plain `=text\n`)."""
+    """auto: data.apply_chat_template (tool results as chat-template tool turns, else plain
+    `=text\n`)."""
 
     def validate(self, prefix: str) -> None:
         """Fail fast, in one line naming the key, on a bad value."""

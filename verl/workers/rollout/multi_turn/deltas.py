@@ -8,24 +8,35 @@ history, never on the real one:
     R1 = render(H + tool messages, add_generation_prompt=True)
     delta = R1 after the end of A          (then tokenized on its own)
 
-It starts with what the template writes after an assistant's content (ChatML: `<|im_end|>\\n`):
-the turn stopped at a stop string, before its end-of-turn token, so the delta closes it, then
-the tool messages, then the generation prompt of the next assistant turn (ChatML:
-`<|im_start|>assistant\\n`), so the policy continues as the assistant. The whole delta is tool
-output (response_mask 0). `prefix_preserving` records whether render(H) is a prefix of R1: only
-then does the concatenated trajectory equal the template's rendering of the conversation.
+It starts with what the template writes after an assistant's content (ChatML: `<|im_end|>\\n`),
+then the tool messages, then the generation prompt of the next assistant turn (ChatML:
+`<|im_start|>assistant\\n`), so the policy continues as the assistant. A turn that stopped at a
+stop string (the embedded format's `]`) lacks its end-of-turn token, so the delta closes it; a
+turn that ended at EOS (hermes) already holds it as its last sampled token (`after_eos`): where
+the template's close starts with the tokenizer's EOS token, the delta starts after it (ChatML:
+`\\n<|im_start|>tool\\n...`), so the sampled `<|im_end|>` is the turn's close. The whole delta is
+tool output (response_mask 0). `prefix_preserving` records whether render(H) is a prefix of R1:
+only then does the concatenated trajectory equal the template's rendering of the conversation.
+
+All of a turn's results are rendered together, as consecutive tool messages in call order, so
+a template that groups them renders them as it does in a conversation: Qwen2.5's and Qwen3's
+put consecutive tool messages in one user turn:
+
+    <|im_start|>user\\n<tool_response>\\n{a}\\n</tool_response>\\n<tool_response>\\n{b}
+    \\n</tool_response><|im_end|>\\n                                   (one line, cut here)
 
 A template that refuses the role `tool`, or renders nothing of its content, gets role `user`
 with the text wrapped in `<tool_response>...</tool_response>` (`ToolDelta.role` says which).
-SmolLM2-135M-Instruct's ChatML template renders any role, so its delta after a turn is
-`<|im_end|>\\n<|im_start|>tool\\n{text}<|im_end|>\\n<|im_start|>assistant\\n`.
+SmolLM2-135M-Instruct's ChatML template renders any role, so its delta after a turn ended at
+`<|im_end|>` is `\\n<|im_start|>tool\\n{text}<|im_end|>\\n<|im_start|>assistant\\n`.
 
 Without a chat template (the embedded task's plain prompts) the delta is `=` + text + `\\n` per
 result (`PLAIN_RESULT_OPEN`, `PLAIN_RESULT_CLOSE`), the text limited to printable ASCII on one
 line (the char-level tokenizer silently drops other characters).
 
-Each tool text is cut to `max_tokens` tokens (as tokenized alone) before rendering; a cut text is
-flagged (`ToolDelta.truncated`).
+Each tool text (a result or an error text) is cut to `max_tokens` tokens (as tokenized alone)
+before rendering; a cut text is flagged (`ToolDelta.truncated`; the runtime counts the cut results
+only, not the cut error texts).
 """
 
 from __future__ import annotations
@@ -125,11 +136,14 @@ def tool_delta_ids(
     tool_texts: Sequence[str],
     max_tokens: int | None = None,
     use_chat_template: bool | None = None,
+    after_eos: bool = False,
 ) -> ToolDelta:
     """The delta appended after a turn whose calls returned `tool_texts` (in call order).
 
     `use_chat_template`: render through the tokenizer's chat template (None: when it has one);
-    False gives the plain format. Each text keeps at most `max_tokens` tokens.
+    False gives the plain format. Each text keeps at most `max_tokens` tokens. `after_eos`: the
+    turn's last token is the tokenizer's EOS; a chat delta that starts with the EOS token's text
+    starts after it (the plain format has no close and is unchanged).
     """
     if use_chat_template is None:
         use_chat_template = bool(getattr(tokenizer, "chat_template", None))
@@ -141,6 +155,9 @@ def tool_delta_ids(
         return ToolDelta(_encode(tokenizer, delta), truncated, "plain", True)
     role = tool_role(tokenizer)
     delta, preserving = chat_delta_text(tokenizer, texts, role)
+    eos = getattr(tokenizer, "eos_token", None)
+    if after_eos and eos and delta.startswith(eos):
+        delta = delta[len(eos) :]
     return ToolDelta(_encode(tokenizer, delta), truncated, role, preserving)
 
 

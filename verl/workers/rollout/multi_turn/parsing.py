@@ -1,19 +1,28 @@
-"""Tool-call formats: from a policy turn's decoded text to its calls, and the stop strings at
-which the engine pauses generation so the turn ends at the close of a call.
+"""Tool-call formats: from a policy turn's decoded text to its calls, and where a turn that
+calls tools ends.
 
 A format (`TOOL_CALL_FORMATS`, chosen by `multi_turn.tool_call_format`) gives:
 - `stop_strings`: the engine stops a turn there (the stop string kept in the output), or at EOS;
+- `answers_at_eos`: whether a turn that ended at EOS has its calls run (else only a turn that
+  ended at a stop string is answered);
 - `parse(text) -> (calls, malformed)`: every call of the turn in order; a call that cannot be read
   is kept, with `error` set, so the policy is told what was wrong (status `malformed`);
 - `render_call(name, arguments)`: the text of a well-formed call (tests, supervised data);
 - `instructions(schemas)`: the text telling the policy which tools exist and how to call them.
 
 Formats:
-- `hermes` (Qwen2.5 / Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the
-  JSON possibly surrounded by whitespace; `arguments` may also be a JSON string of an object.
+- `hermes` (Qwen2.5 / Qwen3 / Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+  the JSON possibly surrounded by whitespace; `arguments` may also be a JSON string of an object.
+  No stop string: a turn ends where the assistant's turn ends (EOS, `<|im_end|>` for ChatML), as
+  Qwen writes it: any text, then one or more calls, each on its own lines, then `<|im_end|>`. All
+  the turn's calls run and their results follow in call order (one tool message each).
 - `embedded` (the char-level embedded task, compact): `[name:arg]` or `[name:arg1,arg2]`, the
-  arguments positional text (a tool's declared int / float converts them); the result follows as
-  `=result` (`deltas.PLAIN_RESULT_OPEN`).
+  arguments positional text (a tool's declared int / float converts them); the turn stops at the
+  call's `]` (one call per turn) and the result follows as `=result`
+  (`deltas.PLAIN_RESULT_OPEN`). A turn that ended at EOS is not answered.
+
+Only the turn's own text is parsed: a prompt that ends inside a call (`[lookup:k0`) does not
+make the turn's `7]` a call (it is malformed: `] without [`).
 """
 
 from __future__ import annotations
@@ -45,9 +54,11 @@ class ToolCall:
 
 
 class ToolCallFormat(ABC):
-    """Base of the formats: a subclass sets `stop_strings` and implements the methods."""
+    """Base of the formats: a subclass sets `stop_strings` and `answers_at_eos` and implements the
+    methods."""
 
     stop_strings: tuple[str, ...] = ()
+    answers_at_eos: bool = False
 
     @abstractmethod
     def parse(self, text: str) -> tuple[list[ToolCall], bool]:
@@ -64,10 +75,12 @@ class ToolCallFormat(ABC):
 
 @TOOL_CALL_FORMATS.register("hermes")
 class HermesFormat(ToolCallFormat):
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Hermes)."""
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3, Hermes): any
+    number of calls per turn, the turn ended at EOS."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    stop_strings = (CLOSE,)
+    stop_strings = ()
+    answers_at_eos = True
 
     @staticmethod
     def _read(body: str, text: str) -> ToolCall:
@@ -118,7 +131,8 @@ class HermesFormat(ToolCallFormat):
         return (
             "# Tools\n\nYou may call the tools below. To call one, write\n"
             f'{self.OPEN}\n{{"name": <tool name>, "arguments": <the arguments as a JSON object>}}\n'
-            f"{self.CLOSE}\nand stop: the result comes back in the next message.\n\n"
+            f"{self.CLOSE}\nYou may write several calls, one after the other; then end your turn: "
+            "the results come back in the next message, in the order of the calls.\n\n"
             f"<tools>\n{tools}\n</tools>"
         )
 

@@ -2,11 +2,16 @@
 turn's calls, run those of the whole batch concurrently, and give each episode its delta.
 
     runtime = MultiTurnRuntime(config, tokenizer, use_chat_template)
-    sampling stop strings: runtime.stop_strings (kept in the output)
+    sampling stop strings: runtime.stop_strings (kept in the output; none for hermes)
     loop:  generate a turn for every active episode
            outcomes = runtime.step(texts, finish_reasons, turns_done)
            for each: trajectory.add_turn(ids, ...); outcome.append_to(trajectory)
                      if outcome.continues: append outcome.delta.ids to the episode's sessions
+
+Which turns are answered: one that made at least one call, with turns left, and that ended at a
+stop string (embedded: at the call's `]`) or, for a format that `answers_at_eos` (hermes), at EOS
+(all its calls run, results in call order). A turn's calls are read from its own text only.
+The tool threads of the whole run are bounded by one `ToolSlots` of `max_parallel_tools`.
 """
 
 from __future__ import annotations
@@ -17,13 +22,15 @@ from dataclasses import dataclass, field
 from verl.workers.rollout.multi_turn.config import MultiTurnConfig
 from verl.workers.rollout.multi_turn.deltas import ToolDelta, tool_delta_ids
 from verl.workers.rollout.multi_turn.parsing import ToolCall, get_format
-from verl.workers.rollout.multi_turn.tools import ToolResult, load_tools, run_tool_calls
+from verl.workers.rollout.multi_turn.tools import ToolResult, ToolSlots, load_tools, run_tool_calls
 from verl.workers.rollout.multi_turn.trajectory import Trajectory
 
 FINISH_REASONS = ("tool_call", "eos", "length")
 """Why a turn ended: at a format's stop string (vLLM: finish_reason 'stop' with the string as
 stop_reason), at EOS (finish_reason 'stop', stop_reason None or the eos id) or at the length
-limit. Only a turn ended at a stop string is answered."""
+limit. A turn ended at a stop string is answered, one ended at EOS when the format
+`answers_at_eos`; its last token is then the EOS (vLLM keeps it in a completion's ids, the
+speculative rounds in the sequence's tokens)."""
 
 
 @dataclass(frozen=True)
@@ -40,13 +47,17 @@ class TurnOutcome:
     """One per call when the turn is answered, else empty."""
     delta: ToolDelta | None = None
     """The tokens appended when the episode continues."""
+    unanswered: bool = False
+    """The turn would be answered but was the `max_turns`-th: its calls are not run."""
 
     def append_to(self, trajectory: Trajectory) -> None:
-        """Add the delta and the calls' outcomes to `trajectory` (nothing when it ends)."""
+        """Add the delta and the calls' outcomes to `trajectory` (nothing when it ends): each
+        call's status, and as truncated the results (status ok) cut to
+        `max_tool_response_length` (a cut error text is not counted)."""
         if self.delta is not None:
-            trajectory.add_tool(
-                self.delta.ids, [r.status for r in self.results], self.delta.truncated
-            )
+            cut = [t and r.status == "ok"
+                   for r, t in zip(self.results, self.delta.truncated, strict=True)]  # fmt: skip
+            trajectory.add_tool(self.delta.ids, [r.status for r in self.results], cut)
 
 
 class MultiTurnRuntime:
@@ -61,11 +72,19 @@ class MultiTurnRuntime:
         self.max_turns = config.max_turns
         self.max_tool_response_length = config.max_tool_response_length
         self.tool_timeout_s = config.tool_timeout_s
-        self.max_parallel_tools = config.max_parallel_tools
+        self.tool_slots = ToolSlots(config.max_parallel_tools)
+        """The run's tool threads: hung calls (timed out, not returned) keep theirs."""
+
+    @property
+    def hung_tool_calls(self) -> int:
+        """Tool calls of this runtime that timed out and have not returned (each holds a
+        thread and one of the `max_parallel_tools` slots)."""
+        return self.tool_slots.hung
 
     @property
     def stop_strings(self) -> list[str]:
-        """Where the engine stops a turn (with `include_stop_str_in_output`)."""
+        """Where the engine stops a turn (with `include_stop_str_in_output`): the format's stop
+        strings (empty for hermes, whose turns end at EOS)."""
         return list(self.format.stop_strings)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -106,32 +125,35 @@ class MultiTurnRuntime:
     ) -> list[TurnOutcome]:
         """One outcome per episode whose turn just ended: `texts` its decoded text,
         `finish_reasons` (FINISH_REASONS) why it ended, `turns_done` its policy turns so far,
-        this one included. An episode continues when its turn ended at a stop string, made at
-        least one call and `turns_done < max_turns`. The calls of every continuing episode run
-        together (`run_tool_calls`)."""
+        this one included. An episode continues when its turn ended at a stop string (or at EOS
+        where the format `answers_at_eos`), made at least one call and `turns_done <
+        max_turns`; its delta holds one result per call, in call order. The calls of every
+        continuing episode run together (`run_tool_calls` on `tool_slots`)."""
         for reason in finish_reasons:
             if reason not in FINISH_REASONS:
                 raise ValueError(
                     f"finish reason {reason!r} is not valid; valid: {', '.join(FINISH_REASONS)}"
                 )
         parsed = [self.format.parse(text) for text in texts]
-        ends = zip(parsed, finish_reasons, turns_done, strict=True)
-        answered = [reason == "tool_call" and bool(calls) and done < self.max_turns
-                    for (calls, _), reason, done in ends]  # fmt: skip
+        ends = ("tool_call", "eos") if self.format.answers_at_eos else ("tool_call",)
+        reasons = finish_reasons
+        answerable = [reason in ends and bool(calls)
+                      for (calls, _), reason in zip(parsed, reasons, strict=True)]  # fmt: skip
+        answered = [a and done < self.max_turns
+                    for a, done in zip(answerable, turns_done, strict=True)]  # fmt: skip
         batch = [
             call for (calls, _), go in zip(parsed, answered, strict=True) if go for call in calls
         ]
-        results = iter(
-            run_tool_calls(batch, self.tools, self.tool_timeout_s, self.max_parallel_tools)
-        )
+        results = iter(run_tool_calls(batch, self.tools, self.tool_timeout_s, self.tool_slots))
         outcomes = []
-        for (calls, malformed), go in zip(parsed, answered, strict=True):
+        for (calls, malformed), reason, can, go in zip(parsed, reasons, answerable, answered,
+                                                       strict=True):  # fmt: skip
             if not go:
-                outcomes.append(TurnOutcome(False, calls, malformed))
+                outcomes.append(TurnOutcome(False, calls, malformed, unanswered=can))
                 continue
             mine = [next(results) for _ in calls]
-            texts = [r.text for r in mine]
-            limit = self.max_tool_response_length
-            delta = tool_delta_ids(self.tokenizer, texts, limit, self.use_chat_template)
+            delta = tool_delta_ids(self.tokenizer, [r.text for r in mine],
+                                   self.max_tool_response_length, self.use_chat_template,
+                                   after_eos=reason == "eos")  # fmt: skip
             outcomes.append(TurnOutcome(True, calls, malformed, mine, delta))
         return outcomes

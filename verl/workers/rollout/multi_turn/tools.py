@@ -1,5 +1,7 @@
 """Tools of multi-turn rollouts: plain Python functions, described from their signature and
-docstring (TRL style), and run concurrently by `run_tool_calls`, which never raises.
+docstring (TRL style), and run concurrently by `run_tool_calls`, which never raises: each call in
+a thread with a timeout, the threads bounded over the run by `ToolSlots` (a timed-out call cannot
+be stopped; it keeps its slot until it returns).
 
 A tool is a function with typed parameters (str, int, float, bool, list, dict, or `X | None`)
 and a Google-style docstring: a description, then an `Args:` section with one `name: text` line
@@ -17,6 +19,7 @@ from __future__ import annotations
 import ast
 import inspect
 import json
+import logging
 import queue
 import re
 import threading
@@ -31,10 +34,12 @@ from verl.utils.registry import Registry
 from verl.utils.user_functions import is_file_spec, load_function
 from verl.workers.rollout.multi_turn.parsing import ToolCall
 
+logger = logging.getLogger(__name__)
 TOOLS = Registry("tool")
-TOOL_STATUSES = ("ok", "error", "timeout", "unknown_tool", "malformed")
-"""Outcome of one call: ran and returned; raised; ran past its timeout; named no loaded tool;
-could not be read or did not fit the tool's parameters."""
+TOOL_STATUSES = ("ok", "error", "timeout", "unavailable", "unknown_tool", "malformed")
+"""Outcome of one call: ran and returned; raised; ran past its timeout; not run, every tool slot
+being held by a hung call (`ToolSlots`); named no loaded tool; could not be read or did not fit
+the tool's parameters."""
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array",
               dict: "object"}  # fmt: skip
 """Python annotation -> JSON-schema type of a tool parameter."""
@@ -270,29 +275,81 @@ def _prepare(call: ToolCall, tools: dict[str, Tool]) -> ToolResult | dict[str, A
         return ToolResult(call.name, f"error: malformed tool call: {error}", "malformed")
 
 
-def _start(index: int, name: str, fn: Callable[..., Any], kwargs: dict, done: queue.Queue) -> None:
-    """Run one call in a daemon thread that reports (index, result) to `done`."""
+class ToolSlots:
+    """The threads tool calls may hold at once, `size` at most, over a whole run.
+
+    A call holds a slot from its start until its function returns. A call past its timeout gets
+    its `timeout` result at once, but Python cannot stop a thread: the call is *hung* and keeps
+    its slot until the function returns, if ever. So hung calls hold at most `size` threads for
+    the run, and while every slot is held by a hung call, further calls are not started (status
+    `unavailable`) instead of queueing behind them.
+    """
+
+    def __init__(self, size: int):
+        self.size = max(1, size)
+        self._lock = threading.Lock()
+        self._held: set[int] = set()
+        self._hung: set[int] = set()
+        self._next = 0
+
+    def acquire(self) -> int | None:
+        """A slot's ticket, or None when all `size` are held."""
+        with self._lock:
+            if len(self._held) >= self.size:
+                return None
+            self._next += 1
+            self._held.add(self._next)
+            return self._next
+
+    def release(self, ticket: int) -> None:
+        """The call holding `ticket` returned (on time or not): its slot is free."""
+        with self._lock:
+            self._held.discard(ticket)
+            self._hung.discard(ticket)
+
+    def abandon(self, ticket: int) -> None:
+        """The call holding `ticket` timed out: hung until it returns."""
+        with self._lock:
+            if ticket in self._held:
+                self._hung.add(ticket)
+
+    @property
+    def hung(self) -> int:
+        """Calls past their timeout whose function has not returned (each holds a thread)."""
+        with self._lock:
+            return len(self._hung)
+
+
+def _start(index: int, name: str, fn: Callable[..., Any], kwargs: dict, done: queue.Queue,
+           slots: ToolSlots, ticket: int) -> None:  # fmt: skip
+    """Run one call in a daemon thread that reports (index, result) to `done` and frees its slot
+    when the function returns."""
 
     def work() -> None:
         try:
             result = ToolResult(name, _as_text(fn(**kwargs)), "ok")
         except Exception as error:  # a tool's failure is a result the policy sees
             result = ToolResult(name, f"error: {type(error).__name__}: {error}", "error")
+        finally:
+            slots.release(ticket)
         done.put((index, result))
 
     threading.Thread(target=work, name=f"tool-{name}", daemon=True).start()
 
 
 def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool], timeout_s: float,
-                   max_parallel: int) -> list[ToolResult]:  # fmt: skip
+                   slots: ToolSlots | int) -> list[ToolResult]:  # fmt: skip
     """One result per call, in order; never raises.
 
-    At most `max_parallel` calls run at once, each in its own thread with its own deadline
-    (`timeout_s` from its start). A call past its deadline gets status `timeout` and frees its
-    place at once (its thread is abandoned, a daemon), so a hung tool delays the others by at
-    most its timeout. Malformed calls, unknown names and arguments that do not fit never run.
+    Each call runs in its own thread, holding one of `slots` (an int: fresh slots of that size,
+    for this batch alone), with its own deadline (`timeout_s` from its start). A call past its
+    deadline gets status `timeout` at once and is hung: its thread keeps its slot until the
+    function returns (`ToolSlots`), so a hung tool delays the batch by at most its timeout and
+    hung calls hold at most `slots.size` threads. Calls wait for a free slot while a call of this
+    batch runs; when every slot is held by a hung call, the calls left get status `unavailable`
+    without running. Malformed calls, unknown names and arguments that do not fit never run.
     """
-    max_parallel = max(1, max_parallel)
+    slots = slots if isinstance(slots, ToolSlots) else ToolSlots(slots)
     results: list[ToolResult | None] = [None] * len(calls)
     pending = []
     for i, call in enumerate(calls):
@@ -302,22 +359,33 @@ def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool], timeout_s:
         else:
             pending.append((i, prepared))
     done: queue.Queue = queue.Queue()
-    running: dict[int, float] = {}  # index -> deadline
+    running: dict[int, tuple[float, int]] = {}  # index -> (deadline, ticket)
     while pending or running:
-        while pending and len(running) < max_parallel:
+        while pending and (ticket := slots.acquire()) is not None:
             i, kwargs = pending.pop(0)
-            running[i] = time.monotonic() + timeout_s
-            _start(i, calls[i].name, tools[calls[i].name].fn, kwargs, done)
+            running[i] = (time.monotonic() + timeout_s, ticket)
+            _start(i, calls[i].name, tools[calls[i].name].fn, kwargs, done, slots, ticket)
+        if not running:  # calls left and every slot held by a hung call
+            for i, _ in pending:
+                name = calls[i].name
+                text = (f"error: tool {name!r} not run: all {slots.size} tool slots are held by "
+                        "calls that timed out and have not returned")  # fmt: skip
+                results[i] = ToolResult(name, text, "unavailable")
+            break
         try:
-            i, result = done.get(timeout=max(0.0, min(running.values()) - time.monotonic()))
+            wait = min(deadline for deadline, _ in running.values()) - time.monotonic()
+            i, result = done.get(timeout=max(0.0, wait))
             if i in running:  # a call that already timed out reports too late: ignored
                 results[i] = result
                 del running[i]
         except queue.Empty:
             now = time.monotonic()
-            for i in [i for i, deadline in running.items() if deadline <= now]:
+            for i in [i for i, (deadline, _) in running.items() if deadline <= now]:
                 name = calls[i].name
                 text = f"error: tool {name!r} timed out after {timeout_s:g} s"
                 results[i] = ToolResult(name, text, "timeout")
-                del running[i]
+                slots.abandon(running.pop(i)[1])
+                logger.warning("tool %r timed out after %g s; its thread still runs (%d of %d "
+                               "tool slots held by hung calls)", name, timeout_s, slots.hung,
+                               slots.size)  # fmt: skip
     return results

@@ -41,7 +41,8 @@ class Trajectory:
     tool_statuses: list[str] = field(default_factory=list)
     """Status of every tool call run for this episode (`tools.TOOL_STATUSES`)."""
     tool_truncated: int = 0
-    """Tool results cut to `max_tool_response_length`."""
+    """Tool results cut to `max_tool_response_length` (results only: `TurnOutcome.append_to`
+    does not count a cut error text)."""
 
     def add_turn(self, ids: Sequence[int], **slots: Sequence[float]) -> None:
         """Append a policy turn; each slot has one value per token."""
@@ -54,7 +55,8 @@ class Trajectory:
 
     def add_tool(self, ids: Sequence[int], statuses: Iterable[str] = (),
                  truncated: Iterable[bool] = ()) -> None:  # fmt: skip
-        """Append the tool delta answering the last policy turn, with its calls' outcomes."""
+        """Append the tool delta answering the last policy turn, with its calls' statuses and
+        which texts count as truncated."""
         if not self.segments or self.segments[-1].kind != POLICY:
             raise ValueError("a tool delta must follow a policy turn")
         self.segments.append(Segment(list(ids), TOOL))
