@@ -234,11 +234,8 @@ def tool_threads(name: str) -> int:
     return sum(t.name == f"tool-{name}" and t.is_alive() for t in threading.enumerate())
 
 
-def test_hung_calls_hold_at_most_the_slots_and_free_them_when_they_return():
-    """Slots of size 2 shared over batches: two calls that never return (until released) time
-    out and keep their threads; the next batches' calls get `unavailable` at once, no thread is
-    started for them (2 hung threads after 5 batches, not 5); once the hung calls return, their
-    slots are free and a call runs again."""
+def hanging_tools() -> tuple[threading.Event, dict]:
+    """A `hang` tool that returns only once the event is set, beside `lookup`."""
     release = threading.Event()
 
     def hang(key: str) -> str:
@@ -246,7 +243,15 @@ def test_hung_calls_hold_at_most_the_slots_and_free_them_when_they_return():
         release.wait()
         return "late"
 
-    tools = {"hang": tool(hang), "lookup": tool(lookup)}
+    return release, {"hang": tool(hang), "lookup": tool(lookup)}
+
+
+def test_hung_calls_hold_at_most_the_slots_and_free_them_when_they_return():
+    """Slots of size 2 shared over batches: two calls that never return (until released) time
+    out and keep their threads; the next batches' calls get `unavailable` at once, no thread is
+    started for them (2 hung threads after 5 batches, not 5); once the hung calls return, their
+    slots are free and a call runs again."""
+    release, tools = hanging_tools()
     slots = ToolSlots(2)
     try:
         first = run_tool_calls([ToolCall("hang", {"key": "a"}), ToolCall("hang", {"key": "b"})],
@@ -274,14 +279,7 @@ def test_hung_calls_hold_at_most_the_slots_and_free_them_when_they_return():
 def test_one_hung_call_leaves_the_other_slot_to_the_batch():
     """Slots of size 2, one held by a hung call: the next batch's three calls run one at a time
     in the free slot, all ok."""
-    release = threading.Event()
-
-    def hang(key: str) -> str:
-        """Never return until released."""
-        release.wait()
-        return "late"
-
-    tools = {"hang": tool(hang), "lookup": tool(lookup)}
+    release, tools = hanging_tools()
     slots = ToolSlots(2)
     try:
         (first,) = run_tool_calls(
