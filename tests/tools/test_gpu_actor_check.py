@@ -39,6 +39,7 @@ def test_runs_the_worker_in_process_and_reports(tmp_path, lora_rank):
     # the plain bfloat16 cast is measurably off float32 (what the GPU's bound scales with)
     assert report["plain_bf16"]["log_probs"]["mean"] > 10 * report["float32"]["log_probs"]["mean"]
     assert report["step_shift_cosine_bf16_vs_fp32"] > 0.9
+    assert report["step_shift_norm_ratio_bf16_vs_fp32"] == pytest.approx(1, abs=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@ weights = the HF+PEFT function, names, and the one-line refusals before any weig
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -166,3 +168,63 @@ def test_config_values_fail_in_one_line(fields, message):
     with pytest.raises(ConfigError) as error:
         LoraConfig(**fields).validate("worker.actor.model.lora")
     assert str(error.value).startswith(message)
+
+
+def adapted_linear(b_value: float):
+    """One Linear (256 -> 256, bias) with a rank-8 adapter (alpha 16, s = 2) built by `apply_lora`,
+    B = ±`b_value` (a first AdamW step at lr = b_value moves every entry of B by ±lr)."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = L.apply_lora(nn.Sequential(nn.Linear(256, 256)),
+                         LoraConfig(rank=8, alpha=16, target_modules="0"))  # fmt: skip
+    layer = model.base_model.model[0]
+    with torch.no_grad():
+        layer.lora_B[L.ADAPTER].weight.copy_(b_value * torch.randn(256, 8).sign())
+    return layer
+
+
+def test_a_bfloat16_adapted_linear_rounds_its_output_once():
+    """`RoundOnceLinear` in bfloat16 returns round(x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ) (the exact sum, in
+    float64 here, rounded once) for all but a few outputs, where PEFT's own forward, which rounds
+    x·Wᵀ + b first, keeps the adapters' term only in part: after a first step at lr 1e-4 the term
+    is ~5e-4 of an output (median), under half a bfloat16 step (2^-9 ≈ 2e-3). In float32 both
+    forwards are one function, bit for bit, and in bfloat16 the gradients of x, A and B under a
+    fixed upstream gradient are PEFT's, bit for bit (the backward is the Linear's own)."""
+    from peft.tuners.lora.layer import Linear
+
+    layer = adapted_linear(1e-4)
+    assert type(layer) is L.RoundOnceLinear
+    assert type(pickle.loads(pickle.dumps(layer))) is L.RoundOnceLinear  # a class found by name
+    x32 = torch.randn(32, 256, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x32), Linear.forward(layer, x32), rtol=0, atol=0)
+    layer.bfloat16()
+    x = x32.bfloat16().requires_grad_()
+    w, bias = layer.base_layer.weight.double(), layer.base_layer.bias.double()
+    a, b = layer.lora_A[L.ADAPTER].weight.double(), layer.lora_B[L.ADAPTER].weight.double()
+    exact = (x.double() @ w.T + bias + 2.0 * (x.double() @ a.T) @ b.T).bfloat16()
+    ours, peft = layer(x), Linear.forward(layer, x)
+    # measured: 99.89 % of the 8,192 outputs for ours (the rest: the term's own bfloat16
+    # rounding at a tie), 86.3 % for PEFT's forward
+    assert (ours == exact).float().mean() > 0.995
+    assert (peft == exact).float().mean() < 0.9
+    g = torch.randn(32, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    trained = (x, layer.lora_A[L.ADAPTER].weight, layer.lora_B[L.ADAPTER].weight)
+    grads = [torch.autograd.grad((y * g).float().sum(), trained) for y in (ours, peft)]
+    for got, want in zip(*grads, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_the_cuda_float32_output_gemm_equals_a_float32_matmul():
+    """On CUDA `linear_float32` takes the bfloat16 GEMM with a float32 output; its values are the
+    float32 matmul of the same bfloat16 values up to the order of the sums (1e-5 relative)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(3, 5, 256, device="cuda", generator=g).bfloat16()
+    w = torch.randn(64, 256, device="cuda", generator=g).bfloat16()
+    b = torch.randn(64, device="cuda", generator=g).bfloat16()
+    got = L.linear_float32(x, w, b)
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert got.dtype == torch.float32 and L._MM_FLOAT32_OUT[0], "the out_dtype GEMM was refused"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

@@ -138,6 +138,7 @@ def apply_fsdp2(
     param_dtype: str | None = None,
     reduce_dtype: str = "float32",
     full_shard: bool = True,
+    mixed_precision: bool | None = None,
 ) -> nn.Module:
     """Shard every decoder layer, then the root (embeddings, norm, head), with `fully_shard`.
 
@@ -146,11 +147,17 @@ def apply_fsdp2(
     the layers: what forward gathered stays until backward has used it (FSDP1's SHARD_GRAD_OP,
     ZeRO-2: one all-gather per layer and step instead of two, the whole unsharded model resident
     during forward/backward). The root keeps FSDP2's own rule either way (not resharded after
-    forward). Gradients and optimizer state are sharded in both. Mixed precision applies on GPU
-    only; CPU computes in the parameters' dtype.
+    forward). Gradients and optimizer state are sharded in both.
+
+    `mixed_precision`: whether FSDP2 computes in `param_dtype` (the parameters, the gradients'
+    shards and the optimizer keep their own dtype) and reduces gradients in `reduce_dtype`; None
+    (the workers): on GPU only, CPU computing in the parameters' dtype. True on CPU runs the GPU's
+    arithmetic there (tests/workers/test_lora_worker.py compares bfloat16 with float32 so).
     """
     mp = None
-    if device_type() == "cuda" and param_dtype is not None:
+    if mixed_precision is None:
+        mixed_precision = device_type() == "cuda"
+    if mixed_precision and param_dtype is not None:
         mp = MixedPrecisionPolicy(
             param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype]
         )

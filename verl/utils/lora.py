@@ -9,6 +9,15 @@ run (everything else is frozen and the engine loaded it from the same folder), s
 the modules that hold them (`sync_sources`) and nothing else. The reference policy is the same module with the adapters switched off
 (`AdaptersOff`): the base model, without a second copy of its weights.
 
+Low-precision compute (FSDP2's `mp_param_dtype=bfloat16` on GPU, or `torch_dtype=bfloat16`): an
+adapted Linear adds s·(x·Aᵀ)·Bᵀ to x·Wᵀ before its output is rounded, once (`RoundOnceLinear`).
+PEFT's own Linear rounds x·Wᵀ to bfloat16 first and then adds the adapters' term, which after a
+first step (B ~ lr) is ~5e-4 of a typical output, under half a bfloat16 step (2^-9), and is rounded
+away: a first step in bfloat16 moved log π a third as far as in float32 on an H200 (0.69 of it on
+CPU, tests/workers/test_lora_worker.py). The adapters' masters, their
+gradients and AdamW's state are float32 as in every recipe (the worker loads the trainable model
+in float32; FSDP2 casts only the compute copy), which alone does not keep the term.
+
 Names: PEFT wraps the model as `base_model.model.<hf name>`, and an adapted Linear keeps its
 weight under `<module>.base_layer.weight` with `<module>.lora_A.default.weight` and
 `<module>.lora_B.default.weight` beside it.
@@ -16,6 +25,7 @@ weight under `<module>.base_layer.weight` with `<module>.lora_A.default.weight` 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -40,12 +50,99 @@ def target_list(target_modules: str) -> str | list[str]:
 
 def apply_lora(model: nn.Module, lora) -> nn.Module:
     """`model` wrapped by PEFT with adapters of `lora` (a `LoraConfig` of the actor); the base
-    weights frozen, A random and B zero, so the wrapped model starts as the base model."""
+    weights frozen, A random and B zero, so the wrapped model starts as the base model. Every
+    adapted Linear is a `RoundOnceLinear`."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=target_list(lora.target_modules), bias="none")  # fmt: skip
+    config._register_custom_module({nn.Linear: round_once_linear()})
     return get_peft_model(model, config)
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def linear_float32(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x·Wᵀ + b in float32 from low-precision x and W (..., in) x (out, in) -> (..., out): on CUDA
+    the low-precision GEMM with a float32 output (`torch.mm(out_dtype=)`, the tensor cores' own
+    float32 accumulation), elsewhere, or where that kernel is missing, a float32 matmul of the
+    same values (every product of two bfloat16 values is exact in float32)."""
+    if x.is_cuda and x.dtype == weight.dtype and _MM_FLOAT32_OUT[0]:
+        try:
+            flat = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+        except (NotImplementedError, TypeError, RuntimeError):  # no such kernel in this build
+            _MM_FLOAT32_OUT[0] = False
+        else:
+            out = flat.reshape(*x.shape[:-1], weight.shape[0])
+            return out if bias is None else out + bias.float()
+    return nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+_MM_FLOAT32_OUT = [True]
+"""Whether this torch's CUDA GEMM takes `out_dtype` (cleared at the first call that refuses it)."""
+
+
+class _FrozenLinearFloat32(torch.autograd.Function):
+    """x·Wᵀ + b of a frozen Linear in float32, not rounded to x's dtype. With W and x in bfloat16
+    every product is exact in float32, so this is the bfloat16 matmul's own float32 accumulation
+    before its final rounding. Backward: dx = g·W in x's dtype (what the Linear's own backward
+    computes); W and b get no gradient (frozen), and only W is kept for backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        ctx.x_dtype = x.dtype
+        return linear_float32(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (weight,) = ctx.saved_tensors
+        return grad.to(ctx.x_dtype) @ weight.to(ctx.x_dtype), None, None
+
+
+@functools.cache
+def round_once_linear() -> type:
+    """`RoundOnceLinear`: PEFT's LoRA Linear whose low-precision output is rounded once. Made on
+    first use (PEFT is imported only by LoRA runs); `verl.utils.lora.RoundOnceLinear` names it
+    (module `__getattr__`), so a pickled module finds its class."""
+    from peft.tuners.lora.layer import Linear
+
+    class RoundOnceLinear(Linear):
+        """PEFT's LoRA Linear, y = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ, with the sum formed in float32 and
+        rounded once to x's dtype when x is bfloat16 or float16 (`_FrozenLinearFloat32` for the
+        base product; the adapters' term in their compute dtype, as PEFT computes it). In float32,
+        with the adapters off or merged, a trainable base layer or PEFT's extra arguments, it is
+        PEFT's forward unchanged."""
+
+        def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            base = self.base_layer
+            frozen = not any(p.requires_grad for p in base.parameters())
+            if (x.dtype not in LOW_PRECISION or args or kwargs or self.disable_adapters
+                    or self.merged or not frozen or getattr(self, "lora_variant", None)):  # fmt: skip
+                return super().forward(x, *args, **kwargs)
+            result = _FrozenLinearFloat32.apply(x, base.weight, base.bias)
+            for name in self.active_adapters:
+                if name not in self.lora_A:
+                    continue
+                lora_a, lora_b = self.lora_A[name], self.lora_B[name]
+                h = self._cast_input_dtype(x, lora_a.weight.dtype)
+                term = lora_b(lora_a(self.lora_dropout[name](h)))
+                result = result + term.float() * self.scaling[name]
+            return result.to(x.dtype)
+
+    RoundOnceLinear.__module__, RoundOnceLinear.__qualname__ = __name__, "RoundOnceLinear"
+    return RoundOnceLinear
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RoundOnceLinear":
+        return round_once_linear()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def is_lora(model: nn.Module) -> bool:
