@@ -262,7 +262,9 @@ def test_real_entropy_gate_and_guided_subset_are_exact(shared, real_hf):
         entropy.append(h)
         lam_t.append(lam * float(guided[i]) * (h / tau).clamp(max=1.0))
     lam_t, entropy = torch.cat(lam_t), torch.cat(entropy)
-    torch.testing.assert_close(b["draft_entropy"][valid].double(), entropy, rtol=0, atol=1e-4)
+    # H sums 21 terms p·log p of float32 forwards (each log p within 1e-4 of HF's): measured up to
+    # 1.25e-4 off HF's on an AMD EPYC (2026-11-28), within 1e-4 on the Intel machines before
+    torch.testing.assert_close(b["draft_entropy"][valid].double(), entropy, rtol=0, atol=3e-4)
     gated = lam_t[lam_t > 0]
     assert (gated < lam - 1e-6).any() and (gated == lam).any()  # the gate shuts and opens
     ref = reference(out, draft_hf, guide_hf, k, {"temperature": 1.0}, lam_t)
@@ -270,8 +272,10 @@ def test_real_entropy_gate_and_guided_subset_are_exact(shared, real_hf):
     # the λ the verify step ran with: draft_tail is the same step at λ' = λ_t·Q_S
     ran = lam_t * ref["mass"] if DEFAULT_TARGET == "draft_tail" else lam_t
     torch.testing.assert_close(b["guidance_lam"][valid].double(), ran, rtol=0, atol=1e-4)
-    # and λ_t as set, before the target scales it: what guidance/lambda_mean and gate_mean read
-    torch.testing.assert_close(b["guidance_strength"][valid].double(), lam_t, rtol=0, atol=1e-4)
+    # and λ_t as set, before the target scales it (what guidance/lambda_mean and gate_mean read):
+    # the gate of the rollout's own recorded entropies, to float32 rounding
+    own = lam * guided.unsqueeze(-1).double() * (b["draft_entropy"].double() / tau).clamp(max=1.0)
+    torch.testing.assert_close(b["guidance_strength"][valid].double(), own[valid], rtol=0, atol=1e-6)
 
 
 def test_real_lora_sync_keeps_the_guided_rollout_exact(real_pair, real_hf, shared):

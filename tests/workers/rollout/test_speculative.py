@@ -128,7 +128,8 @@ def test_draw_bonus_hand_values():
         return np.log(np.full(tokens.shape, 0.05))
 
     out = draw_bonus(draft, guide, 0.5, np.array([0.2, 0.4, 0.7, 0.48]), probe)
-    assert set(out) == {"tokens", "offpolicy", "log_p", "log_q", "log_t", "tv", "lam"}
+    assert set(out) == {"tokens", "offpolicy", "log_p", "log_q", "log_t", "tv", "lam", "strength"}
+    assert out["strength"].tolist() == out["lam"].tolist() == [0.5] * 4  # no target: λ' = λ
     assert calls == [([3], [[7]])]  # row indices of the rows given, tokens (R, 1)
     assert out["tokens"].tolist() == [2, 4, 5, 7]
     assert out["offpolicy"].tolist() == [True, True, False, True]
