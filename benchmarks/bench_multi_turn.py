@@ -47,8 +47,8 @@ import torch  # noqa: E402
 from bench_guided_rollout import DEFAULT_THREADS, bootstrap_ratio  # noqa: E402
 
 from verl.protocol import DataProto  # noqa: E402
-from verl.tasks.embedded import build_embedded  # noqa: E402
 from verl.tasks import embedded_tools as T  # noqa: E402
+from verl.tasks.embedded import build_embedded  # noqa: E402
 from verl.workers.rollout.config import RolloutConfig  # noqa: E402
 from verl.workers.rollout.engine_lifecycle import split_cpu_threads  # noqa: E402
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout  # noqa: E402
