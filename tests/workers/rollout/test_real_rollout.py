@@ -275,7 +275,9 @@ def test_real_entropy_gate_and_guided_subset_are_exact(shared, real_hf):
     # and λ_t as set, before the target scales it (what guidance/lambda_mean and gate_mean read):
     # the gate of the rollout's own recorded entropies, to float32 rounding
     own = lam * guided.unsqueeze(-1).double() * (b["draft_entropy"].double() / tau).clamp(max=1.0)
-    torch.testing.assert_close(b["guidance_strength"][valid].double(), own[valid], rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        b["guidance_strength"][valid].double(), own[valid], rtol=0, atol=1e-6
+    )
 
 
 def test_real_lora_sync_keeps_the_guided_rollout_exact(real_pair, real_hf, shared):
