@@ -581,7 +581,7 @@ def test_to_dict_is_plain_and_round_trips(example_yaml):
     data = to_dict(config)
     assert type(data) is dict
     _assert_plain(data)
-    assert set(data) == {"data", "worker", "algorithm", "trainer"}
+    assert set(data) == {"data", "worker", "algorithm", "trainer", "async_training"}
     assert data["worker"]["rollout"]["offpolicy_guidance"]["lam"] == 0.7
     assert data["worker"]["rollout"]["offpolicy_guidance"]["sampling_overrides"] == {
         "temperature": 0.5
@@ -724,3 +724,35 @@ def test_derived_keys_cover_every_auto_field_docstring():
     auto = {f"{prefix}.{name}" for prefix, cls in blocks.items()
             for name, doc in docs.field_docs(cls).items() if doc.startswith("auto: ")}  # fmt: skip
     assert auto and auto <= {key for key, _, _ in DERIVED}
+
+
+def test_async_training_corrects_stale_samples_with_importance_weights():
+    """Staleness >= 1 resolves tis_level auto to token even without guidance (π_old/μ corrects
+    the older weights); staleness 0 leaves the synchronous defaults alone."""
+    stale = load_config(["async_training.staleness=2"])
+    assert stale.algorithm.tis_level == "token" and stale.uses_importance_weights
+    assert load_config(["async_training.staleness=0"]).algorithm.tis_level == "none"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["async_training.staleness=-1"], "async_training.staleness=-1 is not valid"),
+        (["async_training.staleness=1", "algorithm.tis_level=none"],
+         "algorithm.tis_level='none' is not valid; async_training.staleness=1 trains on samples of older weights"),
+        (["async_training.staleness=1", "trainer.device=cuda"],
+         "worker.rollout.free_cache_engine=True is not valid; with async_training.staleness=1 the draft engine"),
+        (["async_training.staleness=1", "trainer.val_only=true"],
+         "async_training.staleness=1 is not valid; trainer.val_only=true trains nothing"),
+    ],
+)  # fmt: skip
+def test_async_settings_that_cannot_run_ahead_are_refused_in_one_line(args, message):
+    with pytest.raises(ConfigError) as refused:
+        load_config(args)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+
+
+def test_the_async_overlay_loads_on_the_guided_example():
+    config = load_config(["config=examples/grpo_guided.yaml", "config=configs/async.yaml"])
+    assert config.async_training.staleness == 1 and not config.worker.rollout.free_cache_engine
+    assert config.algorithm.tis_level == "token"

@@ -24,6 +24,7 @@ EXPECTED_CLASSES = {
     "AlgorithmConfig",
     "DistillConfig",
     "TrainerConfig",
+    "AsyncTrainingConfig",
     "PPOConfig",
     "WorkerConfig",
     "ModelConfig",

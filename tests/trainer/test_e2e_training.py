@@ -135,12 +135,12 @@ SPECULATIVE_KEYS = [*GUIDED_KEYS, "guidance/accept_rate", "guidance/topk_tail_ma
                     "guidance/guided_is_weight_mean", "guidance/guided_seq_score"]  # fmt: skip
 
 
-def check_run(name: str, rows: list[dict], keys: list[str], steps: int = 2) -> list[dict]:
-    """Every step logged its training metrics and `keys`, and every logged name is documented;
-    returns the step rows."""
+def check_run(name: str, rows: list[dict], keys: list[str], steps: int = 2, train_keys: list[str] = TRAIN_KEYS) -> list[dict]:  # fmt: skip
+    """Every step logged its training metrics (`train_keys`) and `keys`, and every logged name is
+    documented; returns the step rows."""
     stepped = [r for r in rows if "critic/score/mean" in r]
     assert [r["step"] for r in stepped] == list(range(1, steps + 1))
-    for key in TRAIN_KEYS + keys:
+    for key in train_keys + keys:
         assert all(key in r for r in stepped), f"{name}: {key} missing"
     logged = {k for r in rows for k in r if k != "step"}
     undocumented = sorted(k for k in logged if not is_known(k))  # metric_reference covers is_known

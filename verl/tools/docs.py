@@ -22,7 +22,7 @@ import textwrap
 from pathlib import Path
 
 from verl.trainer import core_algos as C
-from verl.trainer.config import AlgorithmConfig
+from verl.trainer.config import AlgorithmConfig, AsyncTrainingConfig
 from verl.trainer.core_algos.advantage import GUIDED_ADVANTAGES
 from verl.trainer.core_algos.guidance import LAM_GATES
 from verl.trainer.core_algos.policy_loss import PolicyLossConfig
@@ -165,6 +165,7 @@ BLOCKS = {
     "algorithms": algorithm_table,
     "knobs-multi-turn": lambda: knob_table(MultiTurnConfig, "worker.rollout.multi_turn"),
     "knobs-lora": lambda: knob_table(LoraConfig, "worker.actor.model.lora"),
+    "knobs-async": lambda: knob_table(AsyncTrainingConfig, "async_training"),
     "metrics": metric_reference,
 }
 """Generated block name -> its Markdown."""

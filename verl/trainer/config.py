@@ -242,6 +242,18 @@ class TrainerConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    """Asynchronous training: a rollout producer generates the next batches while the actor trains."""
+
+    staleness: int = 0
+    """Weight versions a trained sample may lag the actor: 0 runs the synchronous trainer (generate, train, sync, generate); k >= 1 lets the rollout generate the batches of the next k steps while the actor trains on the current one, on the weights it has (`docs/design.md#asynchronous-training`)."""
+
+    def validate(self, prefix: str) -> None:
+        """Fail fast on bad values."""
+        check_range(f"{prefix}.staleness", self.staleness, 0)
+
+
+@dataclass
 class PPOConfig:
     """The whole configuration of a run."""
 
@@ -253,6 +265,8 @@ class PPOConfig:
     """Advantages, KL and off-policy corrections."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Run length, logging, checkpoints."""
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    """Rollouts ahead of training (staleness 0: synchronous)."""
 
     def derived_keys(self) -> list[tuple[str, str, Any]]:
         """(key, the key it derives from, its value): copies of one setting that workers read.
@@ -303,8 +317,9 @@ class PPOConfig:
         algo, rollout = self.algorithm, self.worker.rollout
         guidance = rollout.offpolicy_guidance
         self._fill_derived(user_keys)
-        if algo.tis_level == "auto":
-            algo.tis_level = "token" if guidance.enable else "none"
+        if algo.tis_level == "auto":  # π_old/μ corrects guided and stale samples alike
+            stale = self.async_training.staleness > 0
+            algo.tis_level = "token" if guidance.enable or stale else "none"
         if rollout.num_replicas is None:  # one engine per tensor-parallel group of GPUs; 1 on CPU
             world = self.trainer.nnodes * self.trainer.n_gpus_per_node
             rollout.num_replicas = (
@@ -329,6 +344,8 @@ class PPOConfig:
         self.worker.validate("worker")
         self.algorithm.validate("algorithm")
         self.trainer.validate("trainer")
+        self.async_training.validate("async_training")
+        self._validate_async()
         world = self.trainer.nnodes * self.trainer.n_gpus_per_node
         responses = self.data.rollout_batch_size * self.worker.rollout.n
         if responses % world:
@@ -351,6 +368,24 @@ class PPOConfig:
         ):
             fail("worker.actor.calculate_sum_pi_squared", False,
                  f"algorithm.adv_estimator={self.algorithm.adv_estimator!r} needs Σπ²; set it to true")  # fmt: skip
+
+    def _validate_async(self) -> None:
+        """A rollout that runs ahead needs its samples corrected by π_old/μ and, on a GPU, an engine
+        that keeps its memory while the actor trains."""
+        staleness = self.async_training.staleness
+        if staleness == 0:
+            return
+        if self.algorithm.tis_level == "none":
+            fail("algorithm.tis_level", "none",
+                 f"async_training.staleness={staleness} trains on samples of older weights: the "
+                 "importance weight π_old/μ must correct them; valid: auto, token or sequence")  # fmt: skip
+        if self.trainer.use_gpu and self.worker.rollout.free_cache_engine:
+            fail("worker.rollout.free_cache_engine", True,
+                 f"with async_training.staleness={staleness} the draft engine generates while the "
+                 "actor trains, so it cannot give its memory back between generations; set it false")  # fmt: skip
+        if self.trainer.val_only:
+            fail("async_training.staleness", staleness,
+                 "trainer.val_only=true trains nothing, so nothing runs ahead; valid: 0")  # fmt: skip
 
     def _validate_group_size(self) -> None:
         """A grouped estimator's baseline pools the n responses of a prompt: one is no group."""

@@ -414,12 +414,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {message}{launcher_hint(message)}", file=sys.stderr)
         return 2
     from verl.trainer.ray_trainer import StaleRolloutWeights
+    from verl.trainer.rollout_producer import ProducerFailed
     from verl.workers.reward.function import RewardError
     from verl.workers.rollout.guidance_server import GuidanceLost
 
     try:
         run(prepared)
-    except (RewardError, GuidanceLost, StaleRolloutWeights) as error:  # stopped: one line
+    except (RewardError, GuidanceLost, StaleRolloutWeights, ProducerFailed) as error:  # one line
         print(f"error: {error}", file=sys.stderr)
         return 1
     except TrainingInterrupted as stop:

@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import ray
@@ -47,6 +48,13 @@ from verl.trainer.metrics import (
     compute_throughput_metrics,
     response_lengths,
     timed,
+)
+from verl.trainer.rollout_producer import (
+    VERSION_KEY,
+    Produced,
+    ProducerFailed,
+    RolloutProducer,
+    staleness_metrics,
 )
 from verl.trainer.two_stage import generate_two_stage, group_success, needs_two_stages
 from verl.utils import metric_names as M
@@ -138,6 +146,7 @@ class RayPPOTrainer:
         self.placement: Placement | None = None  # FSDP ranks, draft replicas (+ guidance)
         self.guidance_placement: Placement | None = None  # dedicated guidance GPUs
         self.seen_indices: list[list[int]] = []  # dataset rows of each step (resume checks)
+        self._resume_state: dict | None = None  # asynchronous: the last trained batch's state
         guidance = config.worker.rollout.offpolicy_guidance
         first_tau = guidance.first_step_entropy_threshold  # τ of the entropy gate at step 1
         self.entropy_tau = guidance.entropy_threshold if first_tau is None else first_tau
@@ -163,14 +172,18 @@ class RayPPOTrainer:
             guidance = 1 if self.use_gpu else 0
         else:  # on a GPU the rollout's share is split between a draft replica and its guidance
             guidance = share / 2 if guided else 0
+        # CPU, asynchronous: the actor and the rollout compute at once, on half the cores each
+        halves = bool(cfg.async_training.staleness) and not self.use_gpu
+        actor_cores = rollout_cores = 0.5 if halves else 1.0
         self.actor_wg = RayWorkerGroup(FSDPWorker, self.world_size, cfg.worker, role=role, placement=self.placement,
-                                       num_cpus_per_worker=1, num_gpus_per_worker=share)  # fmt: skip
+                                       num_cpus_per_worker=1, num_gpus_per_worker=share, cpu_share=actor_cores)  # fmt: skip
         for notices in self.actor_wg.execute_all("init_model"):  # rank 0's only: printed once
             for notice in notices:
                 print(f"warning: {notice}", file=sys.stderr, flush=True)
         self.rollout = RolloutGroup(rollout.num_replicas, cfg.worker.actor.model.model_path, rollout, num_cpus=cpus,
                                     num_gpus=share - (0 if dedicated else guidance), guidance_gpus=guidance,
-                                    placement=self.placement, guidance_placement=self.guidance_placement)  # fmt: skip
+                                    placement=self.placement, guidance_placement=self.guidance_placement,
+                                    cpu_share=rollout_cores)  # fmt: skip
 
     def shutdown(self) -> None:
         """Stop this trainer's Ray actors (Ray itself keeps running)."""
@@ -195,15 +208,17 @@ class RayPPOTrainer:
         return first
 
     # ------------------------------------------------------------------ one step
-    def _generate(self, batch: DataProto, metrics: dict) -> DataProto:
+    def _generate(self, batch: DataProto, step: int, metrics: dict) -> DataProto:
+        """The rollout of the batch of step `step` (1-based), under that step's schedules (λ,
+        prefix fraction, MENTOR's weight) and the gate's current τ."""
         cfg = self.config
         batch.non_tensor_batch["uid"] = np.array(
-            [f"{self.global_step}-{i}" for i in range(len(batch))], dtype=object
+            [f"{step}-{i}" for i in range(len(batch))], dtype=object
         )
         guidance = cfg.worker.rollout.offpolicy_guidance
-        lam, _ = step_guidance(cfg, self.global_step, self.total_steps)
-        prefix = step_prefix(cfg, self.global_step, self.total_steps)
-        batch.meta_info.update(global_step=self.global_step, lam=lam, prefix_fraction=prefix,
+        lam, _ = step_guidance(cfg, step, self.total_steps)
+        prefix = step_prefix(cfg, step, self.total_steps)
+        batch.meta_info.update(global_step=step, lam=lam, prefix_fraction=prefix,
                                entropy_threshold=self.entropy_tau)  # fmt: skip
         with timed("gen", metrics):
             if needs_two_stages(guidance, lam, prefix):  # the draft alone first, then the failing
@@ -250,6 +265,12 @@ class RayPPOTrainer:
         """Behavior log-probs, importance weights, rejection masks, guidance/* and mismatch/*."""
         cfg, algo, b = self.config, self.config.algorithm, batch.batch
         mask = b["response_mask"]
+        keep, fresh = torch.ones_like(mask), mask  # fresh: sampled by the weights trained here
+        if VERSION_KEY in b.keys():  # asynchronous: responses of older weights
+            trained = self.global_step - 1
+            within, stale = staleness_metrics(b[VERSION_KEY], trained, cfg.async_training.staleness)
+            metrics.update(stale)
+            keep, fresh = keep * within[:, None], mask * (b[VERSION_KEY] == trained)[:, None]
         guidance = cfg.worker.rollout.offpolicy_guidance
         if guidance.enable:  # mix mode: the draft's p of the guidance's responses is unknown
             draft = b["rollout_log_probs"] if guidance.mode == "speculative" else None
@@ -258,8 +279,9 @@ class RayPPOTrainer:
                 b.get("guidance_missing_mask"), lam=batch.meta_info["lam"]))  # fmt: skip
         else:
             b["behavior_log_probs"] = b["rollout_log_probs"]  # μ is the draft engine's sampler
-        metrics.update(compute_mismatch_metrics(b["rollout_log_probs"], b["old_log_probs"], mask,
-                                                b.get("offpolicy_mask"), algo.mismatch_forced_threshold))  # fmt: skip
+        if fresh.any():  # engine vs actor at one version (stale responses add the policy's drift)
+            metrics.update(compute_mismatch_metrics(b["rollout_log_probs"], b["old_log_probs"], fresh,
+                                                    b.get("offpolicy_mask"), algo.mismatch_forced_threshold))  # fmt: skip
         behavior = b["behavior_log_probs"]
         if cfg.uses_importance_weights:
             weights, weight_metrics = compute_importance_weights(
@@ -267,7 +289,6 @@ class RayPPOTrainer:
                 algo.importance_clamp_min, algo.importance_clamp_max)  # fmt: skip
             b["importance_weights"] = weights
             metrics.update(weight_metrics)
-        keep = torch.ones_like(mask)
         if algo.mis_level != "none":
             mis = compute_rejection_mask(b["old_log_probs"], behavior, mask, algo.mis_level,
                                          algo.mis_threshold_lower, algo.mis_threshold_upper)  # fmt: skip
@@ -281,7 +302,7 @@ class RayPPOTrainer:
             has = mask.sum(-1) > 0
             metrics[M.MISMATCH_GEO_MASKED_SEQ_FRAC] = (geo.amax(-1)[has] == 0).float().mean().item()
             keep = keep * geo
-        if algo.mis_level != "none" or algo.geometric_mask:
+        if algo.mis_level != "none" or algo.geometric_mask or not keep.all():
             b["rollout_mask"] = keep
 
     def _advantages(self, batch: DataProto, metrics: dict) -> None:
@@ -351,7 +372,12 @@ class RayPPOTrainer:
         metrics: dict[str, float] = {}
         start = time.perf_counter()
         self.seen_indices.append(batch.non_tensor_batch["index"].tolist())
-        batch = self._generate(batch, metrics)
+        batch = self._generate(batch, self.global_step, metrics)
+        return self._train(batch, metrics, start, self._sync_weights)
+
+    def _train(self, batch: DataProto, metrics: dict, start: float, sync) -> dict[str, float]:
+        """Everything of a step after its rollout, on the generated `batch`; `sync()` moves the
+        updated weights to the engines. `start`: when the step began (perf/time_per_step)."""
         reward_future = self.reward.compute_async(batch)  # beside the log-prob work below
         with timed("old_log_prob", metrics):
             batch = batch.union(self.actor_wg.dispatch("compute_log_prob", batch))
@@ -370,7 +396,7 @@ class RayPPOTrainer:
         with timed("update_actor", metrics):
             metrics.update(reduce_metrics(self.actor_wg.execute_dp("update_actor", batch)))
         with timed("sync_weights", metrics):
-            self._sync_weights()
+            sync()
         metrics.update(compute_data_metrics(batch, components))
         metrics.update(
             compute_throughput_metrics(batch, time.perf_counter() - start, self.world_size)
@@ -428,8 +454,12 @@ class RayPPOTrainer:
         tmp = final + ".partial"
         shutil.rmtree(tmp, ignore_errors=True)
         self.actor_wg.execute_all("save_checkpoint", os.path.join(tmp, "actor"))
-        torch.save({"global_step": self.global_step, "dataloader": self.train_loader.state_dict(),
-                    "entropy_tau": self.entropy_tau}, os.path.join(tmp, "trainer_state.pt"))  # fmt: skip
+        # asynchronous: the state of the last batch trained, not of the batches generated ahead
+        state = self._resume_state or {"dataloader": self.train_loader.state_dict(),
+                                       "entropy_tau": self.entropy_tau}  # fmt: skip
+        torch.save(
+            {"global_step": self.global_step, **state}, os.path.join(tmp, "trainer_state.pt")
+        )
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         with open(os.path.join(self.run_dir, LATEST), "w") as f:
@@ -494,6 +524,8 @@ class RayPPOTrainer:
                 self.first_val = dict(last)
             if trainer.val_only:
                 return last
+            if self.config.async_training.staleness:
+                last = self._fit_async() or last
             while self.global_step < self.total_steps:
                 for batch_dict in self.train_loader:
                     last = self._run_step(DataProto.from_single_dict(batch_dict))
@@ -512,12 +544,80 @@ class RayPPOTrainer:
             tracker.finish()
 
     def _run_step(self, batch: DataProto) -> dict[str, float]:
-        trainer = self.config.trainer
         self.global_step += 1
-        metrics = self.train_step(batch)
+        return self._finish_step(self.train_step(batch))
+
+    def _finish_step(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Validate, log and checkpoint after a step, as the trainer's settings ask."""
+        trainer = self.config.trainer
         if trainer.val_freq > 0 and self.global_step % trainer.val_freq == 0:
             metrics.update(self.validate())
         self.tracker.log(metrics, self.global_step)
         if trainer.save_freq > 0 and self.global_step % trainer.save_freq == 0:
             self.save_checkpoint()
         return metrics
+
+    # ------------------------------------------------------------------ asynchronous
+    def _fit_async(self) -> dict[str, float]:
+        """Train the remaining steps on batches a `RolloutProducer` generates ahead (at most
+        `async_training.staleness` versions); a producer that fails leaves a complete checkpoint
+        of the last step trained, then `ProducerFailed` ends the run in one line."""
+        staleness = self.config.async_training.staleness
+        producer = RolloutProducer(
+            self._generate, self._batches_ahead(), staleness, self.global_step
+        )
+        last: dict[str, float] = {}
+        producer.start()
+        try:
+            while True:
+                start = time.perf_counter()
+                item = producer.get()
+                if item is None:
+                    return last
+                last = self._async_step(item, producer, start)
+        except ProducerFailed:
+            if self.global_step and self.global_step not in self._checkpoints():
+                self.save_checkpoint()
+            raise
+        finally:
+            producer.close()
+
+    def _async_step(
+        self, item: Produced, producer: RolloutProducer, start: float
+    ) -> dict[str, float]:
+        """Train step `item.step` on its batch; the weight sync waits for the generation in
+        flight and moves the engines to this step's version."""
+        self.global_step += 1
+        if item.step != self.global_step:
+            raise RuntimeError(
+                f"the producer sent step {item.step}'s batch for step {self.global_step}"
+            )
+        state = dict(item.resume_state)
+        self.seen_indices.append(state.pop("indices"))
+
+        def sync() -> None:
+            with producer.exclusive():
+                self._sync_weights()
+                producer.advance(self.global_step)
+
+        metrics = self._train(item.batch, item.metrics, start, sync)
+        self._resume_state = state
+        return self._finish_step(metrics)
+
+    def _batches_ahead(self) -> Iterator[tuple[int, DataProto, Callable[[], dict]]]:
+        """(step, prompts, state) for every step left: `state()`, called once the batch is
+        generated, is what a checkpoint after that step holds (the loader's state just after
+        the batch was drawn, the gate's τ for the next batch) and the batch's prompt rows."""
+        step = self.global_step
+        while step < self.total_steps:
+            for batch_dict in self.train_loader:
+                step += 1
+                batch = DataProto.from_single_dict(batch_dict)
+                loader, rows = (
+                    self.train_loader.state_dict(),
+                    batch.non_tensor_batch["index"].tolist(),
+                )
+                yield step, batch, lambda loader=loader, rows=rows: {
+                    "dataloader": loader, "entropy_tau": self.entropy_tau, "indices": rows}  # fmt: skip
+                if step >= self.total_steps:
+                    return

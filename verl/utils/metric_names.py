@@ -20,6 +20,7 @@ NAMESPACES = (
     "perf",
     "val",
     "multiturn",
+    "async",
 )
 
 # guidance/*: provenance and importance-weight statistics of guided rollouts. A metric averages
@@ -133,6 +134,14 @@ TIMING_OFF_POLICY = "timing_s/off_policy"
 TIMING_ADV = "timing_s/adv"
 TIMING_UPDATE_ACTOR = "timing_s/update_actor"
 TIMING_SYNC_WEIGHTS = "timing_s/sync_weights"
+
+# async/*: the rollout producer of an asynchronous run (async_training.staleness >= 1).
+ASYNC_STALENESS_MEAN = "async/staleness_mean"
+ASYNC_STALENESS_MAX = "async/staleness_max"
+ASYNC_DROPPED_FRAC = "async/dropped_frac"
+ASYNC_TRAINER_IDLE_S = "async/trainer_idle_s"
+ASYNC_PRODUCER_IDLE_S = "async/producer_idle_s"
+ASYNC_QUEUED_BATCHES = "async/queued_batches"
 
 # val/*: the draft alone on the validation set (greedy unless val_override_config says otherwise).
 VAL_REWARD_SCORE = "val/reward_score"

@@ -30,10 +30,11 @@ SECTIONS = (
     "Rewards",
     "Timing",
     "Multi-turn",
+    "Asynchronous",
 )
 """Dashboard sections, in the order they appear (README_guidance.md groups the reference alike)."""
 
-_G, _O, _MM, _V, _D, _A, _R, _T, _MT = SECTIONS
+_G, _O, _MM, _V, _D, _A, _R, _T, _MT, _AS = SECTIONS
 
 _DOCS = (
     # ---------------------------------------------------------------- Guidance
@@ -207,6 +208,13 @@ _DOCS = (
     MetricDoc(M.MULTITURN_TRUNCATED_FRAC, _MT, "Share of episodes cut: the response budget ran out, or `max_turns` was reached with calls left unanswered.", "Near 0; raise `response_length` or `max_turns` if not."),
     MetricDoc(M.MULTITURN_TOOL_TOKEN_FRAC, _MT, "Tool tokens (response_mask 0: context, never trained on) over all kept response tokens.", "—"),
     MetricDoc(M.MULTITURN_RETOKENIZED_FRAC, _MT, "Diagnostic: share of kept response tokens that a text round trip (decode the episode, tokenize it again) would change; what an agent loop that re-tokenizes its history would train on instead of the sampled tokens. Training never uses the re-encoded ids.", "Any value: token-in/token-out keeps the sampled ids whatever it is; `mismatch/kl_v1`, `kl_v2` stay small."),
+    # ---------------------------------------------------------------- Asynchronous
+    MetricDoc(M.ASYNC_STALENESS_MEAN, _AS, "Mean over the step's responses of the weight versions by which the policy that sampled a response lags the actor that trains on it (`async_training.staleness` >= 1; 0 in a synchronous run).", "At the bound k in the steady state (the producer stays k batches ahead); less while the trainer is the faster side."),
+    MetricDoc(M.ASYNC_STALENESS_MAX, _AS, "Largest staleness of the step's responses.", "Never above `async_training.staleness`."),
+    MetricDoc(M.ASYNC_DROPPED_FRAC, _AS, "Share of the step's responses older than the bound, masked out of the loss.", "0: the producer waits instead of generating a batch that would arrive too late."),
+    MetricDoc(M.ASYNC_TRAINER_IDLE_S, _AS, "Seconds the trainer waited for the producer's next batch.", "Near 0 when the rollout keeps up; large when generation is the slower side."),
+    MetricDoc(M.ASYNC_PRODUCER_IDLE_S, _AS, "Seconds the producer waited, since its previous batch, for the staleness bound or for a weight sync.", "Large when training is the slower side."),
+    MetricDoc(M.ASYNC_QUEUED_BATCHES, _AS, "Batches generated and waiting when the step took its batch.", "Between 0 and the bound."),
 )  # fmt: skip
 
 METRIC_DOCS: dict[str, MetricDoc] = {doc.name: doc for doc in _DOCS}

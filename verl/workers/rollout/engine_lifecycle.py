@@ -35,8 +35,9 @@ WAKE_ORDER = ("weights", "kv_cache")
 
 
 def rollout_cores() -> int:
-    """CPU cores this replica's engines may use: its share when several replicas share the
-    machine (`VERL_ROLLOUT_CORES`, set by `RolloutWorker`), else every core it may run on."""
+    """CPU cores this replica's engines may use: its share when several replicas (or, in an
+    asynchronous run, the actor) share the machine (`VERL_ROLLOUT_CORES`, set by
+    `RolloutWorker`), else every core it may run on."""
     return int(os.environ.get("VERL_ROLLOUT_CORES", 0)) or len(os.sched_getaffinity(0))
 
 

@@ -24,11 +24,12 @@ class RolloutWorker:
     """Generates sequences with `VLLMRollout` and takes weight updates from the actor."""
 
     def __init__(self, model_path: str, config: RolloutConfig, num_replicas: int = 1,
-                 own_guidance: bool = True) -> None:  # fmt: skip
+                 own_guidance: bool = True, cpu_share: float = 1.0) -> None:  # fmt: skip
         redirect_worker_output("rollout")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if not torch.cuda.is_available() and num_replicas > 1:  # CPU: the replicas share the cores
-            cores = max(1, len(os.sched_getaffinity(0)) // num_replicas)
+        share = cpu_share / num_replicas  # CPU: the replicas share the rollout's part of the cores
+        if not torch.cuda.is_available() and share < 1:
+            cores = max(1, int(len(os.sched_getaffinity(0)) * share))
             os.environ["VERL_ROLLOUT_CORES"] = str(cores)
         from transformers import AutoTokenizer
 
@@ -165,7 +166,7 @@ class RolloutGroup:
 
     def __init__(self, num_replicas: int, model_path: str, config: RolloutConfig, num_cpus: float = 1,
                  num_gpus: float = 0, guidance_gpus: float = 0, placement: Placement | None = None,
-                 guidance_placement: Placement | None = None) -> None:  # fmt: skip
+                 guidance_placement: Placement | None = None, cpu_share: float = 1.0) -> None:  # fmt: skip
         self.model_path, self.config, self._guidance_gpus = model_path, config, guidance_gpus
         self.placement, self.guidance_placement, self.services = placement, guidance_placement, []
         self.service_where: list[tuple] = []  # each guidance service's Ray node and placement group
@@ -173,7 +174,7 @@ class RolloutGroup:
         guided = config.offpolicy_guidance.enable
         remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(RolloutWorker)
         self.replicas = [
-            remote.options(**self._slot(j, num_replicas)).remote(model_path, config, num_replicas, not guided)
+            remote.options(**self._slot(j, num_replicas)).remote(model_path, config, num_replicas, not guided, cpu_share)
             for j in range(num_replicas)
         ]  # fmt: skip
         self.queues = [Queue(QUEUE_DEPTH, actor_options={"num_cpus": 0}) for _ in self.replicas]

@@ -1,0 +1,110 @@
+"""Asynchronous vs synchronous training: steady-state seconds per step, as ratios from one run.
+
+Each run is `python -m verl.trainer.main` on examples/grpo_guided.yaml (the demo's recipe: 64
+prompts x 8 responses, two updates of 256), without validation, for `--steps` steps, at
+`async_training.staleness` 0 (the synchronous trainer), 1 and 2; once with guidance off (plain
+GRPO) and once guided (speculative, the demo's λ). The runs alternate (0, 1, 2, 0, 1, 2, ...,
+`--repeats` times) so that load drift on a shared machine falls on every variant alike. Steady
+state: each run's `perf/time_per_step` after its first `--warmup` steps (a step's wall time from
+the moment the trainer asks for its batch to the end of its weight sync). The ratio sync / async
+of mean step times gets a bootstrap 95 % interval over the steps of every run of both variants.
+Writes <out>/bench_async.json and prints a table.
+
+Usage:
+    .venv/bin/python benchmarks/bench_async.py [--steps 12] [--warmup 3] [--repeats 2] [--recipes plain,guided]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / ".cache" / "bench_async"
+RECIPES = {"plain": ["worker.rollout.offpolicy_guidance.enable=false"], "guided": []}
+
+
+def run_args(recipe: str, staleness: int, steps: int, run_dir: Path) -> list[str]:
+    """The `verl.trainer.main` arguments of one run."""
+    return [f"config={ROOT / 'examples' / 'grpo_guided.yaml'}", *RECIPES[recipe],
+            f"async_training.staleness={staleness}", "worker.rollout.free_cache_engine=false",
+            f"trainer.max_steps={steps}", "trainer.val_before_train=false", "data.val_files=",
+            "trainer.logger=[file]", f"trainer.save_checkpoint_path={run_dir}", "trainer.resume=none"]  # fmt: skip
+
+
+def step_times(run_dir: Path, warmup: int) -> tuple[list[float], dict[str, float]]:
+    """Steady-state seconds per step of a finished run, and its mean async/* and timing_s/*."""
+    rows = [json.loads(x) for x in (run_dir / "experiment_log.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "perf/time_per_step" in r][warmup:]
+    keys = {k for r in rows for k in r if k.startswith(("async/", "timing_s/"))}
+    means = {k: statistics.fmean(r[k] for r in rows if k in r) for k in sorted(keys)}
+    return [r["perf/time_per_step"] for r in rows], means
+
+
+def bootstrap_ratio(base: list[float], other: list[float], draws: int = 4000, seed: int = 0) -> tuple[float, float, float]:  # fmt: skip
+    """mean(base) / mean(other) and its 2.5 % and 97.5 % bootstrap quantiles (steps resampled)."""
+    rng = random.Random(seed)
+    ratios = sorted(
+        statistics.fmean(rng.choices(base, k=len(base))) / statistics.fmean(rng.choices(other, k=len(other)))
+        for _ in range(draws)
+    )  # fmt: skip
+    return statistics.fmean(base) / statistics.fmean(other), ratios[int(0.025 * draws)], ratios[int(0.975 * draws)]
+
+
+def run_once(recipe: str, staleness: int, steps: int, run_dir: Path) -> None:
+    """One training run, its output in run_dir/run.log; on failure, the log's tail and exit."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "verl.trainer.main", *run_args(recipe, staleness, steps, run_dir)]
+    with (run_dir / "run.log").open("w") as log:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc:
+        sys.exit(f"{recipe} staleness {staleness} failed (exit {rc}):\n" + (run_dir / "run.log").read_text()[-3000:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3, help="first steps of each run left out")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--staleness", default="0,1,2")
+    parser.add_argument("--recipes", default="plain,guided")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    levels = [int(k) for k in args.staleness.split(",")]
+    result = {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "cpu_count": os.cpu_count(),
+              "load_avg_1min_start": os.getloadavg()[0], "runs": [], "ratios": {}}  # fmt: skip
+    for recipe in args.recipes.split(","):
+        times: dict[int, list[float]] = {k: [] for k in levels}
+        for repeat in range(args.repeats):
+            for k in levels:
+                run_dir = WORK / f"{recipe}-s{k}-r{repeat}"
+                start = time.perf_counter()
+                run_once(recipe, k, args.steps, run_dir)
+                steps, means = step_times(run_dir, args.warmup)
+                times[k] += steps
+                result["runs"].append({"recipe": recipe, "staleness": k, "repeat": repeat, "step_times": steps,
+                                       "wall_s": time.perf_counter() - start, "means": means})  # fmt: skip
+                print(f"{recipe} staleness {k} #{repeat}: {statistics.fmean(steps):.2f} s/step", flush=True)
+        for k in levels[1:]:
+            ratio, low, high = bootstrap_ratio(times[levels[0]], times[k])
+            result["ratios"][f"{recipe}: staleness {levels[0]} / {k}"] = {
+                "ratio": ratio, "ci95": [low, high], "s_per_step": [statistics.fmean(times[levels[0]]), statistics.fmean(times[k])]}  # fmt: skip
+    result["load_avg_1min_end"] = os.getloadavg()[0]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_async.json").write_text(json.dumps(result, indent=1))
+    print("| recipe: sync / async | s/step sync | s/step async | speed-up | 95 % CI |\n| --- | --- | --- | --- | --- |")
+    for name, r in result["ratios"].items():
+        (a, b), (low, high) = r["s_per_step"], r["ci95"]
+        print(f"| {name} | {a:.2f} | {b:.2f} | {r['ratio']:.2f}x | {low:.2f}-{high:.2f} |")
+    print(f"wrote {args.out / 'bench_async.json'}")
+
+
+if __name__ == "__main__":
+    main()
