@@ -11,15 +11,15 @@ of mean step times gets a bootstrap 95 % interval over the steps of every run of
 Writes <out>/bench_async.json and prints a table.
 
 Usage:
-    .venv/bin/python benchmarks/bench_async.py [--steps 12] [--warmup 3] [--repeats 2] [--recipes plain,guided]
+    .venv/bin/python benchmarks/bench_async.py [--steps 12] [--warmup 3] [--repeats 2] [--recipes plain,guided] [--pair random]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -27,13 +27,39 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_stats import bootstrap_ratio  # noqa: E402
+
 WORK = ROOT / ".cache" / "bench_async"
 RECIPES = {"plain": ["worker.rollout.offpolicy_guidance.enable=false"], "guided": []}
 
 
-def run_args(recipe: str, staleness: int, steps: int, run_dir: Path) -> list[str]:
-    """The `verl.trainer.main` arguments of one run."""
-    return [f"config={ROOT / 'examples' / 'grpo_guided.yaml'}", *RECIPES[recipe],
+def random_pair() -> list[str]:
+    """Overrides for a randomly initialised pair of the embedded models' shape (hidden 256, 4
+    layers, the char vocabulary), built once under WORK, and the coin reward of
+    benchmarks/noise_reward.py (1 with probability 0.08): the demo's compute per token and
+    non-zero advantages, without the embedded pair's build (minutes to an hour on a loaded
+    2-core machine)."""
+    from verl.tasks.embedded import MODEL
+    from verl.tasks.tiny_lm import save_tiny_lm
+
+    paths = {}
+    for name, seed in (("draft", 1), ("guidance", 2)):
+        path = WORK / "pair" / name
+        if not (path / "config.json").exists():
+            save_tiny_lm(str(path), dataclasses.replace(MODEL, seed=seed))
+        paths[name] = path
+    return [f"worker.actor.model.model_path={paths['draft']}",
+            f"worker.rollout.offpolicy_guidance.model_path={paths['guidance']}",
+            f"worker.reward.reward_function={ROOT / 'benchmarks' / 'noise_reward.py'}:coin",
+            "worker.reward.reward_type=sequential"]  # fmt: skip
+
+
+def run_args(recipe: str, staleness: int, steps: int, run_dir: Path, pair: list[str] = ()) -> list[str]:  # fmt: skip
+    """The `verl.trainer.main` arguments of one run (`pair`: model overrides, see random_pair)."""
+    return [f"config={ROOT / 'examples' / 'grpo_guided.yaml'}", *RECIPES[recipe], *pair,
             f"async_training.staleness={staleness}", "worker.rollout.free_cache_engine=false",
             f"trainer.max_steps={steps}", "trainer.val_before_train=false", "data.val_files=",
             "trainer.logger=[file]", f"trainer.save_checkpoint_path={run_dir}", "trainer.resume=none"]  # fmt: skip
@@ -41,31 +67,33 @@ def run_args(recipe: str, staleness: int, steps: int, run_dir: Path) -> list[str
 
 def step_times(run_dir: Path, warmup: int) -> tuple[list[float], dict[str, float]]:
     """Steady-state seconds per step of a finished run, and its mean async/* and timing_s/*."""
-    rows = [json.loads(x) for x in (run_dir / "experiment_log.jsonl").read_text().splitlines() if x.strip()]
+    rows = [
+        json.loads(x)
+        for x in (run_dir / "experiment_log.jsonl").read_text().splitlines()
+        if x.strip()
+    ]
     rows = [r for r in rows if "perf/time_per_step" in r][warmup:]
     keys = {k for r in rows for k in r if k.startswith(("async/", "timing_s/"))}
     means = {k: statistics.fmean(r[k] for r in rows if k in r) for k in sorted(keys)}
     return [r["perf/time_per_step"] for r in rows], means
 
 
-def bootstrap_ratio(base: list[float], other: list[float], draws: int = 4000, seed: int = 0) -> tuple[float, float, float]:  # fmt: skip
-    """mean(base) / mean(other) and its 2.5 % and 97.5 % bootstrap quantiles (steps resampled)."""
-    rng = random.Random(seed)
-    ratios = sorted(
-        statistics.fmean(rng.choices(base, k=len(base))) / statistics.fmean(rng.choices(other, k=len(other)))
-        for _ in range(draws)
-    )  # fmt: skip
-    return statistics.fmean(base) / statistics.fmean(other), ratios[int(0.025 * draws)], ratios[int(0.975 * draws)]
-
-
-def run_once(recipe: str, staleness: int, steps: int, run_dir: Path) -> None:
+def run_once(recipe: str, staleness: int, steps: int, run_dir: Path, pair: list[str]) -> None:
     """One training run, its output in run_dir/run.log; on failure, the log's tail and exit."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "verl.trainer.main", *run_args(recipe, staleness, steps, run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl.trainer.main",
+        *run_args(recipe, staleness, steps, run_dir, pair),
+    ]
     with (run_dir / "run.log").open("w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
     if rc:
-        sys.exit(f"{recipe} staleness {staleness} failed (exit {rc}):\n" + (run_dir / "run.log").read_text()[-3000:])
+        sys.exit(
+            f"{recipe} staleness {staleness} failed (exit {rc}):\n"
+            + (run_dir / "run.log").read_text()[-3000:]
+        )
 
 
 def main() -> None:
@@ -76,9 +104,16 @@ def main() -> None:
     parser.add_argument("--staleness", default="0,1,2")
     parser.add_argument("--recipes", default="plain,guided")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument(
+        "--pair",
+        choices=("embedded", "random"),
+        default="embedded",
+        help="the demo's built pair, or random weights of its shape (random_pair)",
+    )
     args = parser.parse_args()
+    pair = random_pair() if args.pair == "random" else []
     levels = [int(k) for k in args.staleness.split(",")]
-    result = {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "cpu_count": os.cpu_count(),
+    result = {"pair": args.pair, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "cpu_count": os.cpu_count(),
               "load_avg_1min_start": os.getloadavg()[0], "runs": [], "ratios": {}}  # fmt: skip
     for recipe in args.recipes.split(","):
         times: dict[int, list[float]] = {k: [] for k in levels}
@@ -86,12 +121,15 @@ def main() -> None:
             for k in levels:
                 run_dir = WORK / f"{recipe}-s{k}-r{repeat}"
                 start = time.perf_counter()
-                run_once(recipe, k, args.steps, run_dir)
+                run_once(recipe, k, args.steps, run_dir, pair)
                 steps, means = step_times(run_dir, args.warmup)
                 times[k] += steps
                 result["runs"].append({"recipe": recipe, "staleness": k, "repeat": repeat, "step_times": steps,
                                        "wall_s": time.perf_counter() - start, "means": means})  # fmt: skip
-                print(f"{recipe} staleness {k} #{repeat}: {statistics.fmean(steps):.2f} s/step", flush=True)
+                print(
+                    f"{recipe} staleness {k} #{repeat}: {statistics.fmean(steps):.2f} s/step",
+                    flush=True,
+                )
         for k in levels[1:]:
             ratio, low, high = bootstrap_ratio(times[levels[0]], times[k])
             result["ratios"][f"{recipe}: staleness {levels[0]} / {k}"] = {
@@ -99,7 +137,9 @@ def main() -> None:
     result["load_avg_1min_end"] = os.getloadavg()[0]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_async.json").write_text(json.dumps(result, indent=1))
-    print("| recipe: sync / async | s/step sync | s/step async | speed-up | 95 % CI |\n| --- | --- | --- | --- | --- |")
+    print(
+        "| recipe: sync / async | s/step sync | s/step async | speed-up | 95 % CI |\n| --- | --- | --- | --- | --- |"
+    )
     for name, r in result["ratios"].items():
         (a, b), (low, high) = r["s_per_step"], r["ci95"]
         print(f"| {name} | {a:.2f} | {b:.2f} | {r['ratio']:.2f}x | {low:.2f}-{high:.2f} |")

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_stats import bootstrap_ratio  # noqa: E402
 from verl.trainer.config import PPOConfig, load_config  # noqa: E402
 from verl.trainer.core_algos.offpolicy import LOG_RATIO_CLAMP  # noqa: E402
 
@@ -57,9 +58,9 @@ def ensure_trl_env(venv: Path = TRL_VENV, skip_install: bool = False) -> float |
     return time.perf_counter() - start
 
 
-def ours_args(steps: int, seed: int, run_dir: Path) -> list[str]:
-    """The `verl.trainer.main` arguments of our plain GRPO run."""
-    return [f"config={ROOT / 'examples' / 'grpo_guided.yaml'}", "worker.rollout.offpolicy_guidance.enable=false",
+def ours_args(steps: int, seed: int, run_dir: Path, staleness: int = 0) -> list[str]:
+    """The `verl.trainer.main` arguments of our plain GRPO run (asynchronous at `staleness` > 0)."""
+    return [f"async_training.staleness={staleness}", f"config={ROOT / 'examples' / 'grpo_guided.yaml'}", "worker.rollout.offpolicy_guidance.enable=false",
             f"trainer.max_steps={steps}", f"trainer.val_freq={steps}", "trainer.val_before_train=true",
             "trainer.logger=[file]", f"trainer.save_checkpoint_path={run_dir}", "trainer.resume=none",
             f"data.seed={seed}", f"worker.rollout.seed={seed}"]  # fmt: skip
@@ -161,6 +162,14 @@ def summarize_ours(rows: list[dict], steps: int) -> dict:
             "val_accuracy_start": val.get(0), "val_accuracy_end": val.get(steps)}  # fmt: skip
 
 
+def pooled(runs: list[dict]) -> dict:
+    """One side's runs as one: the last run's fields, every run's step times pooled, their mean
+    as `s_per_step`, and each run's own mean in `runs_s_per_step`."""
+    times = [t for r in runs for t in r["step_times"]]
+    return {**runs[-1], "step_times": times, "s_per_step": statistics.fmean(times),
+            "runs_s_per_step": [r["s_per_step"] for r in runs]}  # fmt: skip
+
+
 def summarize_trl(result: dict, steps: int, updates: int) -> dict:
     """Seconds per step of ours (= `updates` optimizer steps) from the worker's step clock."""
     ends = result["step_ends"]
@@ -170,6 +179,16 @@ def summarize_trl(result: dict, steps: int, updates: int) -> dict:
     times = [b - a for a, b in itertools.pairwise(marks)]
     return {"s_per_step": (ends[-1] - result["train_begin"]) / steps, "step_times": times,
             "train_runtime_s_per_step": result["train_runtime_s"] / steps, "setup_s": result["setup_s"]}  # fmt: skip
+
+
+def alternating(r: dict) -> str:
+    """The ratio's interval and the runs behind it, for a result of alternating repeats."""
+    if "ratio_ci95" not in r:
+        return ""
+    (low, high), o, t = r["ratio_ci95"], r["ours"], r["trl"]
+    each = lambda x: ", ".join(f"{v:.2f}" for v in x["runs_s_per_step"])  # noqa: E731
+    return (f" (95 % bootstrap CI {low:.2f}-{high:.2f}; {r['repeats']} alternating runs of each side, "
+            f"ours at staleness {r['staleness']}: ours {each(o)} s, TRL {each(t)} s per step)")  # fmt: skip
 
 
 def report_md(r: dict) -> str:
@@ -192,8 +211,8 @@ def report_md(r: dict) -> str:
              f"| greedy accuracy after {r['steps']} steps | {pct(o['accuracy_end'])} | {pct(t['accuracy_end'])} |",
              f"| our validation (vLLM greedy) at 0 / {r['steps']} | {pct(o['val_accuracy_start'])} / {pct(o['val_accuracy_end'])} | - |",
              f"| mean training reward, step by step | {rewards(o['train_reward'])} | {rewards(t['train_reward'])} |",
-             "", f"Seconds per step, TRL / ours: **{r['ratio_s_per_step']:.2f}x** (TRL's own train_runtime / N: "
-             f"{t['train_runtime_s_per_step']:.2f} s).", "",
+             "", f"Seconds per step, TRL / ours: **{r['ratio_s_per_step']:.2f}x**{alternating(r)} (TRL's own "
+             f"train_runtime / N: {t['train_runtime_s_per_step']:.2f} s).", "",
              "Accuracy: `verl.tasks.embedded.greedy_accuracy` on the 500 test rows for the draft and both final models.",
              f"TRL env ({install}): {', '.join(f'{k} {v}' for k, v in r['trl_versions'].items())}; "
              f"TRL ran with {r['trl_torch_threads']} torch threads on {r['cpu_count']} CPUs; 1-minute load "
@@ -231,6 +250,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="our steps (TRL: 2x optimizer steps)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each side")
+    parser.add_argument("--staleness", type=int, default=0, help="ours: async_training.staleness")
     parser.add_argument("--skip-install", action="store_true", help="use .cache/trl-venv as it is")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
@@ -239,19 +260,31 @@ def main() -> None:
     work, load_start = WORK / f"s{args.seed}-n{args.steps}", os.getloadavg()[0]
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    overrides = ours_args(args.steps, args.seed, work / "ours")
+    overrides = ours_args(args.steps, args.seed, work / "ours-0", args.staleness)
     cfg = load_config(overrides)
     trl = trl_config(cfg, args.steps, args.seed, str(work / "trl"))
-
-    print(f"ours: {args.steps} steps of plain GRPO (verl.trainer.main) ...", flush=True)
-    run_logged([sys.executable, "-m", "verl.trainer.main", *overrides], work / "ours.log")
-    log = (work / "ours" / "experiment_log.jsonl").read_text().splitlines()
-    ours = summarize_ours([json.loads(x) for x in log if x.strip()], args.steps)
-    print(f"ours: {ours['s_per_step']:.2f} s/step", flush=True)
-    print(f"TRL: {trl['max_steps']} optimizer steps of GRPOTrainer ...", flush=True)
-    trl_result = run_trl(work, trl, cfg)
-    trl_side = summarize_trl(trl_result, args.steps, trl["steps_per_generation"])
-    print(f"TRL: {trl_side['s_per_step']:.2f} s/step; scoring both ...", flush=True)
+    runs = {"ours": [], "trl": []}
+    for repeat in range(args.repeats):  # ours, TRL, ours, TRL, ...: load drift falls on both
+        ours_dir = work / f"ours-{repeat}"
+        print(
+            f"ours #{repeat}: {args.steps} steps of plain GRPO (staleness {args.staleness}) ...",
+            flush=True,
+        )
+        run_logged([sys.executable, "-m", "verl.trainer.main", *ours_args(args.steps, args.seed, ours_dir, args.staleness)],
+                   work / f"ours-{repeat}.log")  # fmt: skip
+        log = (ours_dir / "experiment_log.jsonl").read_text().splitlines()
+        runs["ours"].append(summarize_ours([json.loads(x) for x in log if x.strip()], args.steps))
+        print(f"ours #{repeat}: {runs['ours'][-1]['s_per_step']:.2f} s/step", flush=True)
+        print(f"TRL #{repeat}: {trl['max_steps']} optimizer steps of GRPOTrainer ...", flush=True)
+        trl_result = run_trl(work, trl, cfg)
+        runs["trl"].append(summarize_trl(trl_result, args.steps, trl["steps_per_generation"]))
+        print(f"TRL #{repeat}: {runs['trl'][-1]['s_per_step']:.2f} s/step", flush=True)
+    ours, trl_side = pooled(runs["ours"]), pooled(runs["trl"])
+    ratio = bootstrap_ratio(trl_side["step_times"], ours["step_times"])
+    print(
+        f"TRL / ours: {ratio[0]:.2f}x (95 % CI {ratio[1]:.2f}-{ratio[2]:.2f}); scoring both ...",
+        flush=True,
+    )
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -265,7 +298,9 @@ def main() -> None:
     def score(path: Path) -> float:
         return greedy_accuracy(AutoModelForCausalLM.from_pretrained(path).eval(), test, tokenizer)
 
-    ours["accuracy_end"] = score(work / "ours" / f"global_step_{args.steps}" / "actor" / "hf")
+    ours["accuracy_end"] = score(
+        work / f"ours-{args.repeats - 1}" / f"global_step_{args.steps}" / "actor" / "hf"
+    )
     trl_side["accuracy_end"] = score(work / "trl-model")
     trl_side["train_reward"] = [h["reward"] for h in trl_result["log_history"] if "reward" in h]
     prompts, n, updates = (
@@ -278,7 +313,8 @@ def main() -> None:
         "step_definition": f"{prompts} prompts x {n} responses = {prompts * n} completions, then {updates} optimizer "
         f"updates of {trl['per_device_train_batch_size']} (TRL: {updates} optimizer steps)",
         "accuracy_start": score(draft), "ours": ours, "trl": trl_side,
-        "ratio_s_per_step": trl_side["s_per_step"] / ours["s_per_step"],
+        "ratio_s_per_step": ratio[0], "ratio_ci95": list(ratio[1:]), "repeats": args.repeats,
+        "staleness": args.staleness,
         "trl_install_s": install_s, "trl_versions": trl_result["versions"], "trl_torch_threads": trl_result["torch_threads"],
         "trl_config": trl, "trl_resolved": trl_result["resolved"], "mapping": mapping(cfg), "differences": differences(cfg),
         "trl_log_history": trl_result["log_history"],

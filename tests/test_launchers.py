@@ -25,6 +25,9 @@ EXPECTED = {  # launcher -> (dotted key, value) pairs its final config must hold
                                      ("worker.rollout.offpolicy_guidance.mode", "speculative")],
     "qwen2_5_1_5b_math_guided.sh": [("worker.rollout.offpolicy_guidance.enable", True),
                                     ("worker.rollout.offpolicy_guidance.mode", "speculative")],
+    "qwen2_5_1_5b_math_guided_async.sh": [("async_training.staleness", 1), ("worker.rollout.free_cache_engine", False),
+                                          ("worker.rollout.offpolicy_guidance.mode", "speculative"),
+                                          ("algorithm.tis_level", "token")],
     "qwen2_5_1_5b_math_guided_mix.sh": [("worker.rollout.offpolicy_guidance.mode", "mix")],
     "qwen2_5_1_5b_math_grpo.sh": [("worker.rollout.offpolicy_guidance.enable", False), ("algorithm.adv_estimator", "grpo")],
     "qwen2_5_1_5b_math_otb.sh": [("algorithm.adv_estimator", "optimal_token_baseline")],
@@ -172,6 +175,7 @@ def test_readme_gpu_quickstart_takes_hub_ids(tmp_path, monkeypatch):
 
 
 GUIDANCE_GPU_LAUNCHERS = ["qwen2_5_1_5b_math_guided.sh", "qwen2_5_1_5b_math_guided_multinode.sh",
+                          "qwen2_5_1_5b_math_guided_async.sh",
                           "qwen2_5_1_5b_math_mentor.sh"]  # fmt: skip
 
 

@@ -132,3 +132,23 @@ def test_trl_env_is_reused_when_its_stamp_lists_the_pins(tmp_path, monkeypatch):
     assert T.ensure_trl_env(tmp_path, skip_install=True) is None  # used as it is
     with pytest.raises(SystemExit, match="no python"):
         T.ensure_trl_env(tmp_path / "absent", skip_install=True)
+
+
+def test_alternating_runs_pool_their_steps_and_report_the_interval():
+    # ours: runs of [2, 4] and [3, 3] s -> pooled mean 3.0; TRL: [1.5, 1.5] and [1.5, 1.5] -> 1.5
+    runs = [
+        {"s_per_step": 3.0, "step_times": [2.0, 4.0]},
+        {"s_per_step": 3.0, "step_times": [3.0, 3.0]},
+    ]
+    ours = T.pooled(runs)
+    assert ours["s_per_step"] == 3.0 and ours["step_times"] == [2.0, 4.0, 3.0, 3.0]
+    assert ours["runs_s_per_step"] == [3.0, 3.0]
+    trl = T.pooled([{"s_per_step": 1.5, "step_times": [1.5, 1.5]}] * 2)
+    ratio, low, high = T.bootstrap_ratio(trl["step_times"], ours["step_times"])
+    # TRL / ours = 1.5 / 3.0 = 0.5; resampled ours means lie in [2, 4], so the ratio in [0.375, 0.75]
+    assert ratio == 0.5 and 0.375 <= low <= 0.5 <= high <= 0.75
+    text = T.alternating(
+        {"ratio_ci95": [low, high], "repeats": 2, "staleness": 1, "ours": ours, "trl": trl}
+    )
+    assert f"95 % bootstrap CI {low:.2f}-{high:.2f}; 2 alternating runs of each side" in text
+    assert "ours at staleness 1: ours 3.00, 3.00 s, TRL 1.50, 1.50 s per step" in text
