@@ -172,18 +172,19 @@ class RayPPOTrainer:
             guidance = 1 if self.use_gpu else 0
         else:  # on a GPU the rollout's share is split between a draft replica and its guidance
             guidance = share / 2 if guided else 0
-        # CPU, asynchronous: the actor and the rollout compute at once, on half the cores each
-        halves = bool(cfg.async_training.staleness) and not self.use_gpu
-        actor_cores = rollout_cores = 0.5 if halves else 1.0
+        # CPU, asynchronous: the actor and the rollout compute at once; the actor keeps every
+        # core (its step is the longer side) and the rollout's engines get half of them, which
+        # measured faster than half each (benchmarks/README.md#asynchronous-training)
+        overlap = bool(cfg.async_training.staleness) and not self.use_gpu
         self.actor_wg = RayWorkerGroup(FSDPWorker, self.world_size, cfg.worker, role=role, placement=self.placement,
-                                       num_cpus_per_worker=1, num_gpus_per_worker=share, cpu_share=actor_cores)  # fmt: skip
+                                       num_cpus_per_worker=1, num_gpus_per_worker=share)  # fmt: skip
         for notices in self.actor_wg.execute_all("init_model"):  # rank 0's only: printed once
             for notice in notices:
                 print(f"warning: {notice}", file=sys.stderr, flush=True)
         self.rollout = RolloutGroup(rollout.num_replicas, cfg.worker.actor.model.model_path, rollout, num_cpus=cpus,
                                     num_gpus=share - (0 if dedicated else guidance), guidance_gpus=guidance,
                                     placement=self.placement, guidance_placement=self.guidance_placement,
-                                    cpu_share=rollout_cores)  # fmt: skip
+                                    cpu_share=0.5 if overlap else 1.0)  # fmt: skip
 
     def shutdown(self) -> None:
         """Stop this trainer's Ray actors (Ray itself keeps running)."""

@@ -73,7 +73,8 @@ def linear_float32(
     if x.is_cuda and x.dtype == weight.dtype and _MM_FLOAT32_OUT[0]:
         try:
             flat = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
-        except (TypeError, RuntimeError):  # no such kernel in this build (NotImplementedError is a RuntimeError)
+        # no such kernel in this build (NotImplementedError is a RuntimeError)
+        except (TypeError, RuntimeError):
             _MM_FLOAT32_OUT[0] = False
         else:
             out = flat.reshape(*x.shape[:-1], weight.shape[0])

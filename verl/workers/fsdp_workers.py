@@ -80,17 +80,14 @@ class FSDPWorker:
     _ref_is_actor = False
     """Whether the reference runs on the actor's own module, adapters off (LoRA, `actor_ref`)."""
 
-    def __init__(self, config: WorkerConfig, role: str, rank: int, world_size: int,
-                 cpu_share: float = 1.0) -> None:  # fmt: skip
+    def __init__(self, config: WorkerConfig, role: str, rank: int, world_size: int) -> None:
         redirect_worker_output(f"{role}{rank}")
         if role not in ROLES:
             raise ValueError(f"role {role!r} is not valid; valid: {', '.join(ROLES)}")
         self.config, self.role, self.rank, self.world_size = config, role, rank, world_size
         if device_type() == "cpu":  # Ray starts actors with OMP_NUM_THREADS=1: the ranks share
-            # `cpu_share` of the cores this process may run on (its affinity: `taskset`, a batch
-            # scheduler's); the rest is the rollout's when it generates while the actor trains
-            cores = len(os.sched_getaffinity(0)) * cpu_share
-            torch.set_num_threads(max(1, int(cores // world_size)))
+            # the cores this process may run on (its affinity: `taskset`, a batch scheduler's)
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
         self.mesh = None
         self._sources: dict[str, tuple[str, ...]] | None = None  # LoRA's sync plan, made once
         self.module = self.optimizer = self.lr_scheduler = self.actor = self.ref = (
