@@ -174,7 +174,7 @@ class RayPPOTrainer:
             guidance = share / 2 if guided else 0
         # CPU, asynchronous: the actor and the rollout compute at once; the actor keeps every
         # core (its step is the longer side) and the rollout's engines get half of them, which
-        # measured faster than half each (benchmarks/README.md#asynchronous-training)
+        # measured faster than half each (benchmarks/README.md#asynchronous-training-bench_asyncpy)
         overlap = bool(cfg.async_training.staleness) and not self.use_gpu
         self.actor_wg = RayWorkerGroup(FSDPWorker, self.world_size, cfg.worker, role=role, placement=self.placement,
                                        num_cpus_per_worker=1, num_gpus_per_worker=share)  # fmt: skip
