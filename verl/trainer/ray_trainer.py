@@ -376,7 +376,9 @@ class RayPPOTrainer:
         batch = self._generate(batch, self.global_step, metrics)
         return self._train(batch, metrics, start, self._sync_weights)
 
-    def _train(self, batch: DataProto, metrics: dict, start: float, sync) -> dict[str, float]:
+    def _train(
+        self, batch: DataProto, metrics: dict, start: float, sync: Callable[[], None]
+    ) -> dict[str, float]:
         """Everything of a step after its rollout, on the generated `batch`; `sync()` moves the
         updated weights to the engines. `start`: when the step began (perf/time_per_step)."""
         reward_future = self.reward.compute_async(batch)  # beside the log-prob work below
