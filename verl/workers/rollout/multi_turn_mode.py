@@ -1,12 +1,11 @@
 """The multi-turn generation modes: tool-using episodes, the draft alone or guided.
 
-Token-in/token-out. Each turn of each active episode is one request whose prompt is the
-episode's whole token sequence so far (prompt ids, every earlier turn's ids as sampled, every
-tool delta's ids); with prefix caching (`enable_prefix_caching`, on by default) vLLM reuses the
-KV cache of that prefix, so a turn computes only its new tokens. Nothing is re-rendered or
-re-tokenized: a turn's ids and their log-probs are kept exactly as sampled, the tool deltas are
-token ids from `multi_turn.deltas`. The modes, by the single-turn mode the call would use
-(`MULTI_TURN_MODES`):
+Token-in/token-out. Each turn of an episode is one request whose prompt is the episode's whole
+token sequence so far (prompt ids, every earlier turn's ids as sampled, every tool delta's ids);
+with prefix caching (`enable_prefix_caching`, on by default) vLLM reuses the KV cache of that
+prefix, so a turn computes only its new tokens. Nothing is re-rendered or re-tokenized: a turn's
+ids and their log-probs are kept exactly as sampled, the tool deltas are token ids from
+`multi_turn.deltas`. The modes, by the single-turn mode the call would use (`MULTI_TURN_MODES`):
 - "multi_turn" (draft_only): each turn sampled by the draft engine with the format's stop strings;
 - "multi_turn_speculative" (speculative): each turn a speculative generation toward q_λ on both
   engines (`run_rounds`; an episode keeps its sessions from turn to turn, so a turn computes
@@ -19,15 +18,24 @@ token ids from `multi_turn.deltas`. The modes, by the single-turn mode the call 
   scores every episode's response in one prefill (log q at each policy token, given the tool
   tokens before it).
 
-The loop (`run_episodes`): generate a turn for every active episode, at most the response budget
-left; read the turns and run the calls of all episodes at once (`MultiTurnRuntime.step`);
-append each continuing episode's delta; stop at EOS, a turn without a call, `max_turns` or the
-budget. `pack` lays them out; tool tokens carry no policy slot (0) and response_mask 0.
+Episodes advance on their own: when an episode's turn ends, its calls run on a thread pool
+(`ToolRuns`) while the engines keep working on the others, and its next turn starts as soon as
+they returned. Draft-only (`EpisodeStream`): the next turn is a new request on the draft engine,
+which is stepped one step at a time (`vllm_engine.RequestStream`), so it always runs every episode
+that has a turn to generate. Guided (`GuidedEpisodes`): the episode resumes in its speculative
+batch under the same session ids (`SpeculativeBatch.resume`) and joins the batch's next round.
+Turn k of an episode is seeded from its own seeds and k alone (as the turn-by-turn loop seeds
+it), so its tokens do not depend on when its turns ran. An episode stops at EOS, a turn without a
+call, `max_turns` or the budget (`follow`). The turn-by-turn loop (`run_episodes`: every active
+episode's turn in one engine call, then all their calls) is kept as the reference
+(`TURN_BARRIER_KEY`). `pack` lays the episodes out; tool tokens carry no policy slot (0) and
+response_mask 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,10 +52,20 @@ from verl.workers.rollout.modes import (
     guided_rows,
     teacher_prefill,
 )
-from verl.workers.rollout.multi_turn import MultiTurnRuntime, Trajectory, pack, retokenized_tokens
+from verl.workers.rollout.multi_turn import (
+    MultiTurnRuntime,
+    ToolCall,
+    ToolResult,
+    Trajectory,
+    TurnOutcome,
+    pack,
+    retokenized_tokens,
+)
+from verl.workers.rollout.multi_turn.runtime import TurnCalls
 from verl.workers.rollout.packing import guidance_part
-from verl.workers.rollout.speculative import GuidedSequence, RoundStats
+from verl.workers.rollout.speculative import GuidedSequence, RoundStats, SpeculativeBatch
 from verl.workers.rollout.speculative_mode import run_rounds, sessions_freed, wave_size
+from verl.workers.rollout.vllm_engine import RequestStream
 from verl.workers.rollout.vllm_sessions import sampled_log_probs
 
 MULTI_TURN_COUNTS = ("num_turns", "num_tool_calls", "num_tool_errors", "num_tool_truncated",
@@ -57,6 +75,18 @@ the batch as `multiturn_<name>` ((B,) long)."""
 MULTI_TURN_MODES = {"draft_only": "multi_turn", "speculative": "multi_turn_speculative",
                     "teacher_only_prefill": "multi_turn_prefill"}  # fmt: skip
 """The multi-turn mode run in place of each single-turn mode (mix: refused by the config)."""
+TURN_BARRIER_KEY = "multi_turn_barrier"
+"""A call's meta_info key: true runs the episodes turn by turn (`run_episodes` over `draft_turns`
+or `GuidedTurns`: one engine call or one `run_rounds` per turn) instead of on their own
+(`EpisodeStream`, `GuidedEpisodes`); the same seeds per turn, kept as the reference the tests and
+the benchmark compare against."""
+TOOL_GRACE_S = 0.01
+"""Seconds the loop waits at most for the calls of the turns that just ended before it steps the
+engines on (it goes on as soon as they returned): a fast tool's episode (a table lookup returns
+in microseconds, its thread starts in about a millisecond on a busy CPU) then joins the very next
+step instead of the one after; a slow tool costs the engines this once per step that ended
+turns. On the tool task this brings a call's engine steps from 42 to 39-40, the longest
+episode's policy tokens being 39."""
 GUIDED_SLOTS = ("guidance_log_probs", "target_log_probs", "guidance_lam", "guidance_strength",
                 "draft_entropy", "offpolicy")  # fmt: skip
 """Per policy token slots of a guided turn, beside `rollout_log_probs` (the draft's log p)."""
@@ -87,38 +117,63 @@ def finish_reason(completion) -> str:
     return "tool_call" if isinstance(completion.stop_reason, str) else "eos"
 
 
+def turn_params(ctx: RolloutContext, runtime: MultiTurnRuntime, seed: int, budget: int):
+    """The draft's `SamplingParams` of one turn: the rollout's, seeded `seed`, at most `budget`
+    tokens, the log-prob of each sampled token, and the format's stop strings kept in the output
+    (detokenized, so vLLM can match them)."""
+    stops = {"stop": runtime.stop_strings, "include_stop_str_in_output": True}
+    return ctx.draft_params(budget, 1, seed, detokenize=True, **stops)
+
+
+def draft_turn(completion) -> Turn:
+    """A vLLM completion as a `Turn`, its sampled log-probs as `rollout_log_probs`."""
+    ids, log_probs = sampled_log_probs(completion)
+    return Turn(ids, completion.text, finish_reason(completion), {"rollout_log_probs": log_probs})
+
+
 def draft_turns(ctx: RolloutContext, runtime: MultiTurnRuntime, seeds: np.ndarray) -> TurnFn:
-    """Turns by the draft engine alone (turn k of episode i sampled with seed seeds[i] + k - 1),
-    with the sampled log-probs as `rollout_log_probs`."""
+    """Turns by the draft engine alone, one `generate` call over the active episodes per turn
+    (turn k of episode i seeded seeds[i] + k - 1, `turn_params`)."""
 
     def turns(active, contexts, budgets, turn):
-        # the rollout's parameters, with the format's stop strings kept in the output
-        # (detokenized, so vLLM can match them) and at most the budget left
-        stops = {"stop": runtime.stop_strings, "include_stop_str_in_output": True}
-        params = [
-            ctx.draft_params(budget, 1, int(seeds[i]) + turn - 1, detokenize=True, **stops)
-            for i, budget in zip(active, budgets, strict=True)
-        ]
+        params = [turn_params(ctx, runtime, int(seeds[i]) + turn - 1, budget)
+                  for i, budget in zip(active, budgets, strict=True)]  # fmt: skip
         requests = [{"prompt_token_ids": context} for context in contexts]
         outputs = ctx.engines.draft.generate(requests, params, use_tqdm=False)
-        out = []
-        for completion in (o.outputs[0] for o in outputs):
-            ids, log_probs = sampled_log_probs(completion)
-            out.append(Turn(ids, completion.text, finish_reason(completion),
-                            {"rollout_log_probs": log_probs}))  # fmt: skip
-        return out
+        return [draft_turn(o.outputs[0]) for o in outputs]
 
     return turns
 
 
+def guided_turn(
+    ctx: RolloutContext, runtime: MultiTurnRuntime, seq: GuidedSequence, lam: float
+) -> Turn:
+    """A speculative turn's sequence as a `Turn`: its text as the engine would report it, why it
+    ended (at a stop string, at EOS, else at the token limit) and its per-token slots
+    (`GUIDED_SLOTS` and the draft's log p; λ where a turn sampled no target recorded none)."""
+    eos_ended = not ctx.ignore_eos and bool(seq.tokens) and seq.tokens[-1] == ctx.eos_token_id
+    reason = "tool_call" if seq.stopped else "eos" if eos_ended else "length"
+    n = len(seq.tokens)
+    slots = {
+        "rollout_log_probs": seq.draft_log_probs,
+        "guidance_log_probs": seq.guidance_log_probs,
+        "target_log_probs": seq.target_log_probs or seq.guidance_log_probs,
+        "guidance_lam": seq.lam or [lam] * n,
+        "guidance_strength": seq.strength or [lam] * n,
+        "draft_entropy": seq.draft_entropy or [float("nan")] * n,
+        "offpolicy": [float(o) for o in seq.offpolicy],
+    }
+    return Turn(seq.tokens, runtime.turn_text(seq.tokens), reason, slots, seq)
+
+
 @dataclass
 class GuidedTurns:
-    """Turns by speculative guidance (`run_rounds`), ended at the format's stop strings (none for
-    hermes: at EOS). Episode
-    i (a row of `prompts`) is guided when `guided[i]` (else λ_t = 0), its acceptance draws seeded
-    `seeds[i, 1]` + k - 1 at turn k, and keeps its sessions on both engines from turn to turn
-    (named by i: a turn computes only the tool delta and its own tokens). Keeps every turn's
-    sequence and the rounds' counters. The episodes' sessions are those of wave `wave`."""
+    """Turns by speculative guidance (`run_rounds`) for `run_episodes`, one `run_rounds` over the
+    active episodes per turn, ended at the format's stop strings (none for hermes: at EOS).
+    Episode i (a row of `prompts`) is guided when `guided[i]` (else λ_t = 0), its acceptance
+    draws seeded `seeds[i, 1]` + k - 1 at turn k, and keeps its sessions on both engines from turn
+    to turn (named by i: a turn computes only the tool delta and its own tokens). Keeps every
+    turn's sequence and the rounds' counters. The episodes' sessions are those of wave `wave`."""
 
     ctx: RolloutContext
     wave: int
@@ -152,34 +207,27 @@ class GuidedTurns:
             for i, seq in zip(batch.ids, batch.seqs, strict=True):
                 seqs[order[i]] = seq
         self.seqs.extend(seqs)
-        return [Turn(s.tokens, runtime.turn_text(s.tokens), self._reason(s), self._slots(s), s)
-                for s in seqs]  # fmt: skip
+        return [guided_turn(self.ctx, runtime, seq, self.lam) for seq in seqs]
 
-    def _reason(self, seq: GuidedSequence) -> str:
-        if seq.stopped:
-            return "tool_call"
-        eos = self.ctx.eos_token_id
-        ended = not self.ctx.ignore_eos and seq.tokens and seq.tokens[-1] == eos
-        return "eos" if ended else "length"
 
-    def _slots(self, seq: GuidedSequence) -> dict[str, list[float]]:
-        n = len(seq.tokens)
-        return {
-            "rollout_log_probs": seq.draft_log_probs,
-            "guidance_log_probs": seq.guidance_log_probs,
-            "target_log_probs": seq.target_log_probs or seq.guidance_log_probs,
-            "guidance_lam": seq.lam or [self.lam] * n,
-            "guidance_strength": seq.strength or [self.lam] * n,
-            "draft_entropy": seq.draft_entropy or [float("nan")] * n,
-            "offpolicy": [float(o) for o in seq.offpolicy],
-        }
+def follow(episode: Trajectory, outcome: TurnOutcome, reason: str, limit: int) -> tuple[bool, bool]:
+    """Append `outcome` (of a turn that ended for `reason`) to `episode`: (whether it goes on to
+    another turn, whether it ended cut: at `max_turns` with calls left unanswered, at the
+    response budget `limit` (the delta used it up), or at the token limit)."""
+    outcome.append_to(episode)
+    if outcome.unanswered:
+        return False, True
+    if outcome.continues:
+        return (True, False) if len(episode.response_ids) < limit else (False, True)
+    return False, reason == "length"
 
 
 def run_episodes(
     limit: int, runtime: MultiTurnRuntime, prompts: list[list[int]], turns: TurnFn
 ) -> tuple[list[Trajectory], list[bool]]:
-    """The episodes of `prompts`, each turn from `turns` and at most `limit` response tokens, and
-    whether each ended at `max_turns` with calls left unanswered or at the response budget."""
+    """The episodes of `prompts` turn by turn (every active episode's turn from one `turns` call,
+    then the calls of all of them), each at most `limit` response tokens, and whether each ended
+    cut (`follow`)."""
     episodes = [Trajectory(list(p)) for p in prompts]
     cut = [False] * len(prompts)
     active = list(range(len(prompts)))
@@ -192,17 +240,215 @@ def run_episodes(
         still = []
         for i, made_i, outcome in zip(active, made, outcomes, strict=True):
             episodes[i].add_turn(made_i.ids, **made_i.slots)
-            outcome.append_to(episodes[i])
-            if outcome.unanswered:
-                cut[i] = True  # max_turns reached with calls left
-            elif outcome.continues and len(episodes[i].response_ids) >= limit:
-                cut[i] = True  # the delta used up (or overran) the budget
-            elif outcome.continues:
+            goes_on, cut[i] = follow(episodes[i], outcome, made_i.reason, limit)
+            if goes_on:
                 still.append(i)
-            elif made_i.reason == "length":
-                cut[i] = True
         active = still
     return episodes, cut
+
+
+class ToolRuns:
+    """Episodes' tool calls running on a thread pool while the engines step: `start` one answered
+    turn's calls (`call_tools(i, calls)`, None: `runtime.run_calls`), `returned` those that came
+    back. Threads: one per `max_parallel_tools` (the calls themselves share the runtime's
+    `tool_slots`). A `with` block; leaving it drops what is still queued."""
+
+    def __init__(self, runtime: MultiTurnRuntime, call_tools: Callable | None = None) -> None:
+        self.runtime = runtime
+        self.call_tools = call_tools or (lambda _, calls: runtime.run_calls(calls))
+        self._pool = ThreadPoolExecutor(runtime.tool_slots.size, thread_name_prefix="turn-tools")
+        self._running: dict[Future, tuple[int, TurnCalls]] = {}  # -> (episode, its turn)
+        self._fresh: list[Future] = []  # started since the last `returned`
+
+    def __enter__(self) -> ToolRuns:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def start(self, i: int, turn: TurnCalls) -> None:
+        """Run episode i's answered `turn`'s calls."""
+        future = self._pool.submit(self.call_tools, i, turn.calls)
+        self._running[future] = (i, turn)
+        self._fresh.append(future)
+
+    @property
+    def waiting(self) -> bool:
+        """Some calls have not returned yet."""
+        return bool(self._running)
+
+    def returned(self, wait_for_one: bool) -> list[tuple[int, TurnCalls, list[ToolResult]]]:
+        """(episode, turn, results) of the calls that returned, in episode order: after waiting
+        up to `TOOL_GRACE_S` for those started since the last call, and with `wait_for_one` until
+        some call returned (when some run)."""
+        if self._fresh:
+            wait(self._fresh, timeout=TOOL_GRACE_S)
+            self._fresh.clear()
+        if wait_for_one and self._running:
+            wait(self._running, return_when=FIRST_COMPLETED)
+        done = sorted((f for f in self._running if f.done()), key=lambda f: self._running[f][0])
+        return [(*self._running.pop(f), f.result()) for f in done]
+
+
+@dataclass
+class EpisodeStream:
+    """Draft-only episodes that advance on their own (continuous batching across episodes).
+
+    Every episode's first turn is a request on the draft engine (`RequestStream`); the engine steps
+    while requests join. When a turn finishes, its calls are read at once (`runtime.read`) and,
+    when answered, run on a thread pool while the engine keeps stepping (`ToolRuns`); once they
+    return, the delta is appended and the episode's next turn joins the engine's next step as a
+    new request (prompt: the whole episode so far; at most the budget left). Turn k of episode i
+    is seeded `seeds[i]` + k - 1 (`turn_params`), as in `draft_turns`, so an episode's tokens do
+    not depend on when its turns ran. `call_tools(i, calls)` runs episode i's calls on a pool
+    thread (None: `runtime.run_calls`). `submitted` lists (episode, turn) of every request in the
+    order they were added, `finished` the episodes in the order they ended."""
+
+    ctx: RolloutContext
+    runtime: MultiTurnRuntime
+    prompts: list[list[int]]
+    seeds: np.ndarray
+    limit: int
+    call_tools: Callable[[int, list[ToolCall]], list[ToolResult]] | None = None
+    submitted: list[tuple[int, int]] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+
+    def run(self) -> tuple[list[Trajectory], list[bool]]:
+        """The episodes, and whether each ended cut (`follow`)."""
+        n = len(self.prompts)
+        self.episodes = [Trajectory(list(p)) for p in self.prompts]
+        self.cut, self._turns = [False] * n, [0] * n
+        self._owner: dict[str, int] = {}  # request id -> its episode
+        with (
+            RequestStream(self.ctx.engines.draft) as stream,
+            ToolRuns(self.runtime, self.call_tools) as tools,
+        ):
+            self._submit(stream, range(n))
+            while stream.busy or tools.waiting:
+                for output in sorted(stream.step() if stream.busy else [],
+                                     key=lambda o: self._owner[o.request_id]):  # fmt: skip
+                    self._turn_ended(tools, self._owner.pop(output.request_id), output)
+                returned = tools.returned(wait_for_one=not stream.busy)
+                self._submit(stream, [i for i, turn, results in returned
+                                      if self._follow(i, turn, results)])  # fmt: skip
+        return self.episodes, self.cut
+
+    def _submit(self, stream: RequestStream, episodes: Iterable[int]) -> None:
+        """Each episode's next turn as a request."""
+        prompts, params = [], []
+        for i in episodes:
+            self._turns[i] += 1
+            seed = int(self.seeds[i]) + self._turns[i] - 1
+            budget = self.limit - len(self.episodes[i].response_ids)
+            params.append(turn_params(self.ctx, self.runtime, seed, budget))
+            prompts.append({"prompt_token_ids": self.episodes[i].context_ids()})
+            self.submitted.append((i, self._turns[i]))
+        if prompts:
+            mine = [i for i, _ in self.submitted[-len(prompts) :]]
+            self._owner.update(zip(stream.add(prompts, params), mine, strict=True))
+
+    def _turn_ended(self, tools: ToolRuns, i: int, output) -> None:
+        """Record episode i's finished turn; start its calls, or end it."""
+        turn = draft_turn(output.outputs[0])
+        self.episodes[i].add_turn(turn.ids, **turn.slots)
+        read = self.runtime.read(turn.text, turn.reason, self._turns[i])
+        if read.answered:
+            tools.start(i, read)
+        else:
+            self._follow(i, read, [])
+
+    def _follow(self, i: int, read: TurnCalls, results: list[ToolResult]) -> bool:
+        """Episode i's outcome (`follow`); whether it goes on."""
+        goes_on, self.cut[i] = follow(self.episodes[i], self.runtime.answer(read, results),
+                                      read.reason, self.limit)  # fmt: skip
+        if not goes_on:
+            self.finished.append(i)
+        return goes_on
+
+
+@dataclass
+class GuidedEpisodes:
+    """Guided episodes of one wave that advance on their own: one `run_rounds` over the wave, whose
+    batches hand each ended turn here (`speculative.Refill`). A turn's calls run on a thread pool
+    while the rounds go on (`ToolRuns`); once they return, the delta is appended and the episode
+    resumes in its batch under the same id (`SpeculativeBatch.resume`: its sessions on both
+    engines compute only the delta and the new turn), joining the batch's next round. Episode i is
+    guided when `guided[i]` (else λ_t = 0), its draft session seeded `seeds[i, 0]`, its acceptance
+    draws at turn k seeded `seeds[i, 1]` + k - 1, as `GuidedTurns`'s. `call_tools`, `submitted`
+    and `finished` as `EpisodeStream`'s. Keeps every turn's sequence (`seqs`) and the rounds'
+    counters (`stats`)."""
+
+    ctx: RolloutContext
+    wave: int
+    runtime: MultiTurnRuntime
+    lam: float
+    seeds: np.ndarray
+    guided: np.ndarray
+    gate: Callable[[np.ndarray], np.ndarray] | None
+    limit: int
+    call_tools: Callable[[int, list[ToolCall]], list[ToolResult]] | None = None
+    stats: RoundStats = field(default_factory=RoundStats)
+    seqs: list[GuidedSequence] = field(default_factory=list)
+    submitted: list[tuple[int, int]] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+
+    def run(self, prompts: list[list[int]]) -> tuple[list[Trajectory], list[bool]]:
+        """The episodes of `prompts` (the wave's), and whether each ended cut (`follow`)."""
+        n = len(prompts)
+        self.episodes = [Trajectory(list(p)) for p in prompts]
+        self.cut, self._turns = [False] * n, [1] * n
+        self.submitted += [(i, 1) for i in range(n)]
+        self._at: dict[int, tuple[int, SpeculativeBatch, int]] = {}  # episode -> key, batch, row
+        with ToolRuns(self.runtime, self.call_tools) as self._tools:
+            batches = run_rounds(self.ctx, self.wave, prompts, self.lam, self.seeds, self.guided, self.gate,
+                                 [self.limit] * n, lambda _, tokens: self.runtime.turn_end(tokens),
+                                 refill=self)  # fmt: skip
+        for batch in batches:
+            self.stats.add(batch.stats)
+        return self.episodes, self.cut
+
+    def ended(self, key: int, batch: SpeculativeBatch, rows: list[int]) -> None:
+        """Record the turns that ended in batch `key`'s last round; start their calls, or end
+        their episodes."""
+        for row in rows:
+            i, seq = batch.ids[row], batch.seqs[row]
+            self._at[i] = (key, batch, row)
+            self.seqs.append(seq)
+            turn = guided_turn(self.ctx, self.runtime, seq, self.lam)
+            self.episodes[i].add_turn(turn.ids, **turn.slots)
+            read = self.runtime.read(turn.text, turn.reason, self._turns[i])
+            if read.answered:
+                self._tools.start(i, read)
+            else:
+                self._follow(i, read, [])
+
+    @property
+    def waiting(self) -> bool:
+        """Some turn's calls have not returned."""
+        return self._tools.waiting
+
+    def resumed(self, wait: bool) -> list[int]:
+        """The batches in which episodes resumed (their calls returned and they go on), after
+        waiting for some calls to return if asked."""
+        keys = set()
+        for i, read, results in self._tools.returned(wait_for_one=wait):
+            if self._follow(i, read, results):
+                key, batch, row = self._at[i]
+                self._turns[i] += 1
+                draws = torch.Generator().manual_seed(int(self.seeds[i, 1]) + self._turns[i] - 1)
+                budget = self.limit - len(self.episodes[i].response_ids)
+                batch.resume(row, self.episodes[i].context_ids(), budget, draws)
+                self.submitted.append((i, self._turns[i]))
+                keys.add(key)
+        return sorted(keys)
+
+    def _follow(self, i: int, read: TurnCalls, results: list[ToolResult]) -> bool:
+        """Episode i's outcome (`follow`); whether it goes on."""
+        goes_on, self.cut[i] = follow(self.episodes[i], self.runtime.answer(read, results),
+                                      read.reason, self.limit)  # fmt: skip
+        if not goes_on:
+            self.finished.append(i)
+        return goes_on
 
 
 def _packed(ctx: RolloutContext, episodes: list[Trajectory], cut: list[bool]) -> dict:
@@ -219,19 +465,28 @@ def _packed(ctx: RolloutContext, episodes: list[Trajectory], cut: list[bool]) ->
 
 @GENERATION_MODES.register("multi_turn")
 def multi_turn(ctx: RolloutContext, job: Job) -> Generated:
-    """Multi-turn episodes by the draft engine (`draft_turns`), packed in `packed`."""
-    runtime = ctx.multi_turn
-    turns = draft_turns(ctx, runtime, job.seeds[:, 0])
-    episodes, cut = run_episodes(ctx.max_tokens, runtime, job.prompts, turns)
+    """Multi-turn episodes by the draft engine (`draft_episodes`), packed in `packed`."""
+    episodes, cut = draft_episodes(ctx, job)
     return Generated([], packed=_packed(ctx, episodes, cut))
+
+
+def draft_episodes(ctx: RolloutContext, job: Job) -> tuple[list[Trajectory], list[bool]]:
+    """Draft-only episodes of `job`: on their own (`EpisodeStream`), or turn by turn when the
+    call's meta_info sets `TURN_BARRIER_KEY`; with the episodes' cuts."""
+    runtime, seeds = ctx.multi_turn, job.seeds[:, 0]
+    if job.meta.get(TURN_BARRIER_KEY, False):
+        return run_episodes(ctx.max_tokens, runtime, job.prompts, draft_turns(ctx, runtime, seeds))
+    return EpisodeStream(ctx, runtime, job.prompts, seeds, ctx.max_tokens).run()
 
 
 @GENERATION_MODES.register("multi_turn_speculative")
 def multi_turn_speculative(ctx: RolloutContext, job: Job) -> Generated:
-    """Multi-turn episodes whose every turn is speculative guidance toward q_λ (`GuidedTurns`):
-    the first `guided_samples` episodes of each prompt guided, with the gate `lam_gate`. In
-    waves of episodes whose sessions (prompt and whole response budget) fit both KV caches,
-    each wave's sessions freed once all its episodes ended."""
+    """Multi-turn episodes whose every turn is speculative guidance toward q_λ: the first
+    `guided_samples` episodes of each prompt guided, with the gate `lam_gate`. In waves of
+    episodes whose sessions (prompt and whole response budget) fit both KV caches, each wave's
+    sessions freed once all its episodes ended; in a wave the episodes advance on their own
+    (`GuidedEpisodes`), or turn by turn (`GuidedTurns`) when the call's meta_info sets
+    `TURN_BARRIER_KEY`."""
     runtime = ctx.multi_turn
     guided, gate = guided_rows(ctx.config.offpolicy_guidance, job)
     size = wave_size(ctx, [len(p) for p in job.prompts], ctx.max_tokens)
@@ -239,9 +494,14 @@ def multi_turn_speculative(ctx: RolloutContext, job: Job) -> Generated:
     for start in range(0, len(job.prompts), size):
         wave = ctx.waves.next()  # session ids are unique per wave
         part = slice(start, start + size)
-        turns = GuidedTurns(ctx, wave, runtime, job.lam, job.seeds[part], guided[part], gate)
+        args = (ctx, wave, runtime, job.lam, job.seeds[part], guided[part], gate)
         with sessions_freed(ctx):
-            done, cut_part = run_episodes(ctx.max_tokens, runtime, job.prompts[part], turns)
+            if job.meta.get(TURN_BARRIER_KEY, False):
+                turns = GuidedTurns(*args)
+                done, cut_part = run_episodes(ctx.max_tokens, runtime, job.prompts[part], turns)
+            else:
+                turns = GuidedEpisodes(*args, ctx.max_tokens)
+                done, cut_part = turns.run(job.prompts[part])
         episodes += done
         cut += cut_part
         seqs += turns.seqs
@@ -254,9 +514,7 @@ def multi_turn_prefill(ctx: RolloutContext, job: Job) -> Generated:
     """λ = 0 by prefill: draft-only episodes, then each episode's kept response scored by the
     guidance in one prefill (`teacher_prefill`); log q at every response token, read at the
     policy tokens. Every token is the draft's: off-policy 0, log q̃ = log q, λ_t = λ."""
-    runtime = ctx.multi_turn
-    episodes, cut = run_episodes(ctx.max_tokens, runtime, job.prompts,
-                                 draft_turns(ctx, runtime, job.seeds[:, 0]))  # fmt: skip
+    episodes, cut = draft_episodes(ctx, job)
     packed = _packed(ctx, episodes, cut)
     width = ctx.config.response_length
     seqs = [GuidedSequence(e.response_ids[:width]) for e in episodes]

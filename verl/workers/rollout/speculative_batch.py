@@ -101,7 +101,8 @@ class SpeculativeBatch:
     each round, whether sequence `row`'s response `tokens` ended at n tokens (n at most
     len(tokens), past those it had before the round); the rest of the round is dropped and the
     sequence ends, `stopped`. A stop that depends only on the response so far (a stopping time)
-    keeps every kept token an exact sample of q_λ given its prefix.
+    keeps every kept token an exact sample of q_λ given its prefix. `resume` starts an ended
+    sequence again under its id (an episode's next turn), joining the next round.
     """
 
     def __init__(
@@ -120,7 +121,8 @@ class SpeculativeBatch:
         prefix: list[int] | np.ndarray | None = None,
         target: str = "renormalize",
     ) -> None:
-        self.prompts, self.lam, self.generator, self.bonus = prompts, lam, generator, bonus
+        self.prompts, self.lam, self.bonus = list(prompts), lam, bonus
+        self.generator = list(generator) if isinstance(generator, (list, tuple)) else generator
         self.gate, self.stop, self.target = gate, stop, target
         self.prefix = (
             np.zeros(len(prompts), dtype=np.int64)
@@ -146,11 +148,34 @@ class SpeculativeBatch:
         self.lookahead: list[bool] = []
         """Per active sequence of the open round: the draft may draft one token past its budget
         (for a bonus token; only with `bonus` and room for one more token)."""
+        self.ended: list[int] = []
+        """The rows of the last round `apply` verified that ended in it."""
 
     @property
     def done(self) -> bool:
         """Every sequence ended (EOS, `stop` or its `max_new_tokens`)."""
         return all(s.finished for s in self.seqs)
+
+    def resume(
+        self,
+        row: int,
+        prompt: list[int],
+        max_new_tokens: int,
+        generator: torch.Generator | None = None,
+    ) -> GuidedSequence:
+        """Start ended sequence `row` again as a new one under the same engine id (the next turn
+        of an episode: `prompt` is its old prompt, its tokens and what came after them), at most
+        `max_new_tokens`, drawing from `generator` (per-prompt generators; None: keep its own).
+        It joins the next round (`next_round`); returns the sequence it ended with."""
+        if not self.seqs[row].finished:
+            raise ValueError(f"sequence {self.ids[row]} has not ended; only an ended one resumes")
+        ended, self.seqs[row] = self.seqs[row], GuidedSequence()
+        self.prompts[row], self.limits[row] = list(prompt), int(max_new_tokens)
+        if generator is not None:
+            if not isinstance(self.generator, list):
+                raise ValueError("a sequence's own generator needs one generator per prompt")
+            self.generator[row] = generator
+        return ended
 
     def next_round(self) -> tuple[list[int], list[list[int]], list[int]]:
         """(ids, prefixes, budget) of the active sequences: prompt + emitted tokens, and how many
@@ -216,6 +241,7 @@ class SpeculativeBatch:
             if i in extra and not self.seqs[r].finished:
                 self._append(r, *([value] for value in extra[i]))
                 self.stats.bonus += 1
+        self.ended = [r for r in self._rows if self.seqs[r].finished]
 
     def _lam(
         self, entropy: np.ndarray, rows: np.ndarray, offsets: np.ndarray

@@ -104,8 +104,29 @@ class AsyncScorer(Protocol):
         sequence's last proposal (`BonusRows.guidance`)."""
 
 
+class Refill(Protocol):
+    """Sequences that end and start again while the batches run (the turns of episodes that
+    advance on their own): told which rows ended, it resumes some later
+    (`SpeculativeBatch.resume`)."""
+
+    def ended(self, key: int, batch: SpeculativeBatch, rows: list[int]) -> None:
+        """Rows of batch `key` ended in the round just verified."""
+
+    @property
+    def waiting(self) -> bool:
+        """Some ended sequence may still be resumed."""
+
+    def resumed(self, wait: bool) -> list[int]:
+        """The batches in which sequences were resumed since the last call; with `wait`, blocks
+        until some ended sequence was resumed or will not be."""
+
+
 def overlapped_generate(
-    batches: list[SpeculativeBatch], draft: DraftStepper, guidance: AsyncScorer, stagger: int
+    batches: list[SpeculativeBatch],
+    draft: DraftStepper,
+    guidance: AsyncScorer,
+    stagger: int,
+    refill: Refill | None = None,
 ) -> None:
     """Run several batches so the engines overlap: while the guidance scores one batch's round,
     the draft keeps stepping the rounds of the others (and that round's lookahead tokens), and
@@ -115,9 +136,12 @@ def overlapped_generate(
     a draft step usually holds more than one batch. Each batch still runs its rounds in order
     with its own generator, so its tokens are exactly those it gets alone with the same engines
     and follow q_λ as with `speculative_generate` (plus bonus tokens, see `SpeculativeBatch`).
+    With `refill`, the rows that end in a round are handed to it, and a sequence it resumes joins
+    its batch's next round (a batch that had ended starts again); the run ends once nothing is
+    left to resume.
     """
     pending = deque(range(len(batches)))  # not started yet
-    rounds: dict[int, tuple[list[int], list[list[int]]]] = {}
+    rounds: dict[int, tuple[list[int], list[list[int]]]] = {}  # the open rounds
     in_flight: deque = deque()
     steps = 0
 
@@ -131,7 +155,7 @@ def overlapped_generate(
             return False
         return guidance.ready() or not (draft.busy or pending)
 
-    while pending or draft.busy or in_flight:
+    while pending or draft.busy or in_flight or (refill is not None and refill.waiting):
         while pending and (steps >= pending[0] * stagger or not draft.busy):
             key = pending.popleft()
             if not batches[key].done:
@@ -148,8 +172,16 @@ def overlapped_generate(
             extra = draft.lookahead(key)
             bonus = None if extra is None or following is None else BonusRows(*extra, following)
             batches[key].apply(proposals, num, draft_tables, tables, bonus, draft.probe)
+            del rounds[key]
+            if refill is not None and batches[key].ended:
+                refill.ended(key, batches[key], batches[key].ended)
             if not batches[key].done:
                 start(key)
+        if refill is not None:
+            idle = not (draft.busy or in_flight or pending)
+            for key in refill.resumed(wait=idle and refill.waiting):
+                if key not in rounds and key not in pending:
+                    start(key)
 
 
 def _split_answer(answer) -> tuple:

@@ -22,6 +22,7 @@ from verl.workers.rollout.packing import Counters
 from verl.workers.rollout.speculative import (
     GuidedSequence,
     ListedRows,
+    Refill,
     RoundStats,
     SpeculativeBatch,
     overlapped_generate,
@@ -99,6 +100,7 @@ def run_rounds(
     stop: Callable[[int, list[int]], int | None] | None = None,
     ids: list[int] | None = None,
     prefix: np.ndarray | None = None,
+    refill: Refill | None = None,
 ) -> list[SpeculativeBatch]:
     """Speculative rounds until every sequence of `prompts` ended, in `pipeline_groups` batches
     run overlapped; the sessions stay open (`sessions_freed` frees them). `ids` (B,) name each
@@ -108,7 +110,8 @@ def run_rounds(
     sequence's most new tokens (None: the call's `max_tokens`); `stop(b, tokens)` as
     `SpeculativeBatch`'s, b the sequence's row here; `seeds` (B, 2) as `sequence_seeds` (the
     draft's sampling seed applies to a session's first chunk); `prefix` (B,) teacher prefix
-    lengths as `SpeculativeBatch`'s (None: none)."""
+    lengths as `SpeculativeBatch`'s (None: none); `refill` resumes ended sequences while the
+    rounds run (`overlapped_generate`: an episode's next turn under the same id)."""
     guidance = ctx.config.offpolicy_guidance
     ids = list(range(len(prompts))) if ids is None else list(ids)
     limits = [ctx.max_tokens] * len(prompts) if limits is None else list(limits)
@@ -133,7 +136,7 @@ def run_rounds(
     )
     stagger = -(-guidance.num_speculative_tokens // len(batches))  # spread over one round
     try:
-        overlapped_generate(batches, draft, scorer, stagger)
+        overlapped_generate(batches, draft, scorer, stagger, refill)
     except BaseException:
         scorer.drain()
         raise

@@ -3,7 +3,8 @@ what was built, and the few operations on a live engine that reach past `vllm.LL
 
 With `vllm_sessions.py`, the only module that imports the session patch or touches vLLM's private
 internals (engine core, model runner, sleep state); everything else calls `build_llm`,
-`reload_weights`, `is_sleeping` and `vocab_size`. tests/workers/rollout/test_vllm_door.py parses
+`reload_weights`, `is_sleeping`, `vocab_size` and `RequestStream` (requests added while the
+engine steps). tests/workers/rollout/test_vllm_door.py parses
 every module and fails when another one reaches in (docs/design.md#the-vllm-door-and-the-patch).
 
 vLLM 0.32 picks several things by platform that the rollout depends on: it builds
@@ -185,6 +186,53 @@ def close_llm(llm) -> None:
         client.engine_core.model_executor.shutdown()
     gc.unfreeze()
     gc.collect()
+
+
+class RequestStream:
+    """Requests on an in-process `vllm.LLM` that join while the engine runs (continuous batching
+    under the caller's control): `add` queues requests as `generate` does (`LLM.enqueue`: the same
+    prompt processing, only final outputs reported), `step` runs one engine step and returns the
+    requests that finished in it. A `with` block aborts what is still running when it is left
+    (after an error), so the engine's next `generate` meets no stray request."""
+
+    def __init__(self, llm) -> None:
+        self._llm = llm
+        self._running: set[str] = set()
+
+    def add(self, prompts: list[dict], params: list) -> list[str]:
+        """Queue one request per prompt (`{"prompt_token_ids": ...}`) with its `SamplingParams`;
+        they join the next step. Returns their request ids, in order."""
+        internal = self._llm.enqueue(prompts, params, use_tqdm=False)
+        # vLLM suffixes the ids it hands out; outputs carry the request's own (external) id
+        states = self._llm.llm_engine.output_processor.request_states
+        ids = [states[i].external_req_id for i in internal]
+        self._running.update(ids)
+        return ids
+
+    @property
+    def busy(self) -> bool:
+        """Some request added here has not finished."""
+        return bool(self._running)
+
+    def step(self) -> list:
+        """One engine step; the `RequestOutput`s of this stream's requests that finished in it."""
+        engine = self._llm.llm_engine
+        finished = [o for o in engine.step() if o.finished and o.request_id in self._running]
+        for output in finished:
+            self._running.discard(output.request_id)
+        if self._running and not engine.has_unfinished_requests():
+            raise RuntimeError(
+                f"vLLM lost {len(self._running)} requests (e.g. {min(self._running)})"
+            )
+        return finished
+
+    def __enter__(self) -> RequestStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._running:
+            self._llm.llm_engine.abort_request(sorted(self._running), internal=False)
+            self._running.clear()
 
 
 def reload_weights(

@@ -293,3 +293,45 @@ def test_one_hung_call_leaves_the_other_slot_to_the_batch():
         assert [(r.status, r.text) for r in results] == [("ok", "11"), ("ok", "48"), ("ok", "70")]
     finally:
         release.set()
+
+
+class CountedSlots(ToolSlots):
+    """`ToolSlots` that sets `second_wait` when a second caller asks to wait for a slot."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.waits, self.second_wait = 0, threading.Event()
+
+    def acquire(self, wait: bool = False) -> int | None:
+        if wait:
+            self.waits += 1
+            if self.waits == 2:
+                self.second_wait.set()
+        return super().acquire(wait)
+
+
+def test_a_batch_waits_for_a_slot_another_batch_s_running_call_holds():
+    """Two batches sharing one slot, run at once (as two episodes' calls are): batch b, started
+    while batch a's call holds the slot and still runs, waits for it and runs, ok, instead of
+    being reported `unavailable` (that is for slots held by hung calls only)."""
+    release, started = threading.Event(), threading.Event()
+    tools = {"slow": waiting_tool(release, started), "lookup": tool(lookup)}
+    slots = CountedSlots(1)
+    results: dict[str, list] = {}
+
+    def batch(name: str, call: ToolCall) -> None:
+        results[name] = run_tool_calls([call], tools, timeout_s=60.0, slots=slots)
+
+    a = threading.Thread(target=batch, args=("a", ToolCall("slow", {"key": "a"})))
+    a.start()
+    assert started.wait(timeout=60)  # a's call holds the slot
+    b = threading.Thread(target=batch, args=("b", ToolCall("lookup", {"key": "k07"})))
+    b.start()
+    try:
+        assert slots.second_wait.wait(timeout=60)  # b asks for the slot a holds
+    finally:
+        release.set()
+    a.join(timeout=60)
+    b.join(timeout=60)
+    assert [r.status for r in results["a"]] == ["ok"]
+    assert [(r.status, r.text) for r in results["b"]] == [("ok", "70")]

@@ -12,9 +12,10 @@ Modules: `config` (MultiTurnConfig), `tools` (TOOLS, describe_tool, run_tool_cal
 
 The turn loop on the engines (`../multi_turn_mode.py`)
 -----------------------------------------------------
-For a batch of episodes, each with one session per engine (draft, and guidance when enabled):
+For a batch of episodes, each with one session per engine (draft, and guidance when enabled),
+each episode advancing on its own (its next turn starts once its own calls returned):
 
-1. Generate one turn for every active episode with the format's stop strings
+1. Generate a turn for each active episode with the format's stop strings
    (`runtime.stop_strings`, kept in the output: the embedded format's `]`; none for hermes, whose
    turn ends at EOS, `<|im_end|>`, holding any number of calls) and EOS, at most
    `response_length - used` tokens. Guided speculative rounds run unchanged inside a turn; the
@@ -25,20 +26,22 @@ For a batch of episodes, each with one session per engine (draft, and guidance w
    (Mix mode is refused with multi-turn.)
 2. Record the turn: `trajectory.add_turn(ids, rollout_log_probs=..., behavior_log_probs=...,
    offpolicy_mask=..., ...)`, one value per sampled token; μ stays exact per policy token.
-3. `runtime.step(texts, finish_reasons, turns_done)`: parse every turn (its own text only); the
-   calls of all episodes that continue (ended at a stop string, or at EOS for hermes, made a
-   call, turns left) run concurrently in threads (`tool_timeout_s`; at most `max_parallel_tools`
-   threads over the run, hung calls included: `tools.ToolSlots`; never raising: errors,
-   timeouts, unknown tools and malformed calls become error texts the policy reads, with a
-   status for the metrics); each continuing episode gets its delta, one result per call in call
-   order (`outcome.append_to(trajectory)`).
+3. `runtime.read(text, finish_reason, turns_done)` as the turn ends: parse it (its own text
+   only); the calls of an episode that continues (ended at a stop string, or at EOS for hermes,
+   made a call, turns left) run in threads while the engines go on (`runtime.run_calls`;
+   `tool_timeout_s`; at most `max_parallel_tools` threads over the run, hung calls included,
+   shared by all episodes: `tools.ToolSlots`; never raising: errors, timeouts, unknown tools and
+   malformed calls become error texts the policy reads, with a status for the metrics); once
+   they return the episode gets its delta, one result per call in call order
+   (`runtime.answer`, `outcome.append_to(trajectory)`). `runtime.step` does the same for a
+   batch of turns at once (the turn-by-turn reference loop).
 4. Append the delta as *prompt* tokens to the episode's sessions on both engines (resume the
    session with prompt + response so far + delta): nothing is sampled there, no log-probs or μ
    are needed for them, and the guidance's next rounds see exactly the tokens the draft sees
    (same tokenizer, same ids). Per-position λ_t and the entropy gate stay functions of the
    prefix, tool tokens included, so the mixture stays exact.
-5. Stop when no episode continues, or a delta would not fit `response_length` (that episode
-   ends truncated). Then `pack(trajectories, response_length, pad_id)` gives the (B, T) tensors.
+5. An episode stops when it does not continue, or when its delta would not fit
+   `response_length` (it ends truncated); the batch ends with its last episode. Then `pack(trajectories, response_length, pad_id)` gives the (B, T) tensors.
 
 What response_mask 0 means (tool tokens and padding)
 ----------------------------------------------------

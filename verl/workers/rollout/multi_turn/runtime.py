@@ -1,17 +1,21 @@
-"""The engine-free half of the turn loop: between two generation calls, read every finished
-turn's calls, run those of the whole batch concurrently, and give each episode its delta.
+"""The engine-free half of the turn loop: read each finished turn's calls, run them, and give
+its episode the delta.
 
     runtime = MultiTurnRuntime(config, tokenizer, use_chat_template)
     sampling stop strings: runtime.stop_strings (kept in the output; none for hermes)
-    loop:  generate a turn for every active episode
-           outcomes = runtime.step(texts, finish_reasons, turns_done)
-           for each: trajectory.add_turn(ids, ...); outcome.append_to(trajectory)
-                     if outcome.continues: append outcome.delta.ids to the episode's sessions
+    one episode whose turn ended (the draft-only loop, episodes on their own):
+           turn = runtime.read(text, finish_reason, turns_done)
+           results = runtime.run_calls(turn.calls) if turn.answered else []  (any thread)
+           outcome = runtime.answer(turn, results)
+    a batch of turns ended together (the guided loop): outcomes = runtime.step(texts, ...)
+    then:  trajectory.add_turn(ids, ...); outcome.append_to(trajectory)
+           if outcome.continues: append outcome.delta.ids to the episode's context
 
 Which turns are answered: one that made at least one call, with turns left, and that ended at a
 stop string (embedded: at the call's `]`) or, for a format that `answers_at_eos` (hermes), at EOS
 (all its calls run, results in call order). A turn's calls are read from its own text only.
-The tool threads of the whole run are bounded by one `ToolSlots` of `max_parallel_tools`.
+The tool threads of the whole run are bounded by one `ToolSlots` of `max_parallel_tools`,
+shared by every turn's calls, whichever thread runs them.
 """
 
 from __future__ import annotations
@@ -58,6 +62,22 @@ class TurnOutcome:
             cut = [t and r.status == "ok"
                    for r, t in zip(self.results, self.delta.truncated, strict=True)]  # fmt: skip
             trajectory.add_tool(self.delta.ids, [r.status for r in self.results], cut)
+
+
+@dataclass(frozen=True)
+class TurnCalls:
+    """A finished policy turn as read (`MultiTurnRuntime.read`), before its calls run."""
+
+    calls: list[ToolCall]
+    """The calls read from the turn's own text."""
+    malformed: bool
+    """Some call of the turn could not be read."""
+    reason: str
+    """Why the turn ended (FINISH_REASONS)."""
+    answerable: bool
+    """It ended where the format answers and made a call."""
+    answered: bool
+    """Its calls run (answerable, and turns left)."""
 
 
 class MultiTurnRuntime:
@@ -120,40 +140,47 @@ class MultiTurnRuntime:
         """System-prompt text describing the tools and how to call them."""
         return self.format.instructions([tool.schema() for tool in self.tools.values()])
 
+    def read(self, text: str, finish_reason: str, turns_done: int) -> TurnCalls:
+        """One finished turn read (its own text only): its calls, and whether they are run. A
+        turn is answered when it ended at a stop string (or at EOS where the format
+        `answers_at_eos`), made at least one call and `turns_done < max_turns` (`turns_done`: its
+        policy turns so far, this one included)."""
+        if finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"finish reason {finish_reason!r} is not valid; valid: {', '.join(FINISH_REASONS)}"
+            )
+        calls, malformed = self.format.parse(text)
+        ends = ("tool_call", "eos") if self.format.answers_at_eos else ("tool_call",)
+        answerable = finish_reason in ends and bool(calls)
+        return TurnCalls(calls, malformed, finish_reason, answerable,
+                         answerable and turns_done < self.max_turns)  # fmt: skip
+
+    def run_calls(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
+        """One result per call, in call order (`run_tool_calls` on the run's `tool_slots`; safe to
+        call from several threads at once)."""
+        return run_tool_calls(calls, self.tools, self.tool_timeout_s, self.tool_slots)
+
+    def answer(self, turn: TurnCalls, results: Sequence[ToolResult] = ()) -> TurnOutcome:
+        """What follows a read turn: for an answered one, its `results` (one per call, in call
+        order) as the delta; else the episode ends (`unanswered` when the calls would have run
+        but the turn was the `max_turns`-th)."""
+        if not turn.answered:
+            return TurnOutcome(False, turn.calls, turn.malformed, unanswered=turn.answerable)
+        results = list(results)
+        delta = tool_delta_ids(self.tokenizer, [r.text for r in results],
+                               self.max_tool_response_length, self.use_chat_template,
+                               after_eos=turn.reason == "eos")  # fmt: skip
+        return TurnOutcome(True, turn.calls, turn.malformed, results, delta)
+
     def step(
         self, texts: Sequence[str], finish_reasons: Sequence[str], turns_done: Sequence[int]
     ) -> list[TurnOutcome]:
-        """One outcome per episode whose turn just ended: `texts` its decoded text,
-        `finish_reasons` (FINISH_REASONS) why it ended, `turns_done` its policy turns so far,
-        this one included. An episode continues when its turn ended at a stop string (or at EOS
-        where the format `answers_at_eos`), made at least one call and `turns_done <
-        max_turns`; its delta holds one result per call, in call order. The calls of every
-        continuing episode run together (`run_tool_calls` on `tool_slots`)."""
-        for reason in finish_reasons:
-            if reason not in FINISH_REASONS:
-                raise ValueError(
-                    f"finish reason {reason!r} is not valid; valid: {', '.join(FINISH_REASONS)}"
-                )
-        parsed = [self.format.parse(text) for text in texts]
-        ends = ("tool_call", "eos") if self.format.answers_at_eos else ("tool_call",)
-        reasons = finish_reasons
-        answerable = [reason in ends and bool(calls)
-                      for (calls, _), reason in zip(parsed, reasons, strict=True)]  # fmt: skip
-        answered = [a and done < self.max_turns
-                    for a, done in zip(answerable, turns_done, strict=True)]  # fmt: skip
-        batch = [
-            call for (calls, _), go in zip(parsed, answered, strict=True) if go for call in calls
-        ]
-        results = iter(run_tool_calls(batch, self.tools, self.tool_timeout_s, self.tool_slots))
-        outcomes = []
-        for (calls, malformed), reason, can, go in zip(parsed, reasons, answerable, answered,
-                                                       strict=True):  # fmt: skip
-            if not go:
-                outcomes.append(TurnOutcome(False, calls, malformed, unanswered=can))
-                continue
-            mine = [next(results) for _ in calls]
-            delta = tool_delta_ids(self.tokenizer, [r.text for r in mine],
-                                   self.max_tool_response_length, self.use_chat_template,
-                                   after_eos=reason == "eos")  # fmt: skip
-            outcomes.append(TurnOutcome(True, calls, malformed, mine, delta))
-        return outcomes
+        """One outcome per episode whose turn just ended (`read`, then `answer`): `texts` its
+        decoded text, `finish_reasons` (FINISH_REASONS) why it ended, `turns_done` its policy
+        turns so far, this one included. The calls of every answered turn run together
+        (`run_calls`); each delta holds one result per call, in call order."""
+        read = [self.read(*turn) for turn in zip(texts, finish_reasons, turns_done, strict=True)]
+        results = iter(self.run_calls([call for turn in read if turn.answered
+                                       for call in turn.calls]))  # fmt: skip
+        return [self.answer(turn, [next(results) for _ in turn.calls] if turn.answered else [])
+                for turn in read]  # fmt: skip

@@ -282,36 +282,43 @@ class ToolSlots:
     its `timeout` result at once, but Python cannot stop a thread: the call is *hung* and keeps
     its slot until the function returns, if ever. So hung calls hold at most `size` threads for
     the run, and while every slot is held by a hung call, further calls are not started (status
-    `unavailable`) instead of queueing behind them.
+    `unavailable`) instead of queueing behind them. Several threads may share one (`run_tool_calls`
+    of several episodes at once): a call waits for a slot that another batch's running call holds.
     """
 
     def __init__(self, size: int):
         self.size = max(1, size)
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a slot freed or a call hung
         self._held: set[int] = set()
         self._hung: set[int] = set()
         self._next = 0
 
-    def acquire(self) -> int | None:
-        """A slot's ticket, or None when all `size` are held."""
-        with self._lock:
-            if len(self._held) >= self.size:
-                return None
+    def acquire(self, wait: bool = False) -> int | None:
+        """A slot's ticket, or None when all `size` are held; with `wait`, None only when every
+        slot is held by a hung call, else it waits until one is freed."""
+        with self._changed:
+            while len(self._held) >= self.size:
+                if not wait or len(self._hung) >= self.size:
+                    return None
+                self._changed.wait()
             self._next += 1
             self._held.add(self._next)
             return self._next
 
     def release(self, ticket: int) -> None:
         """The call holding `ticket` returned (on time or not): its slot is free."""
-        with self._lock:
+        with self._changed:
             self._held.discard(ticket)
             self._hung.discard(ticket)
+            self._changed.notify_all()
 
     def abandon(self, ticket: int) -> None:
         """The call holding `ticket` timed out: hung until it returns."""
-        with self._lock:
+        with self._changed:
             if ticket in self._held:
                 self._hung.add(ticket)
+                self._changed.notify_all()
 
     @property
     def hung(self) -> int:
@@ -346,8 +353,9 @@ def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool], timeout_s:
     deadline gets status `timeout` at once and is hung: its thread keeps its slot until the
     function returns (`ToolSlots`), so a hung tool delays the batch by at most its timeout and
     hung calls hold at most `slots.size` threads. Calls wait for a free slot while a call of this
-    batch runs; when every slot is held by a hung call, the calls left get status `unavailable`
-    without running. Malformed calls, unknown names and arguments that do not fit never run.
+    batch runs, or one of another batch sharing `slots`; when every slot is held by a hung call,
+    the calls left get status `unavailable` without running. Malformed calls, unknown names and
+    arguments that do not fit never run.
     """
     slots = slots if isinstance(slots, ToolSlots) else ToolSlots(slots)
     results: list[ToolResult | None] = [None] * len(calls)
@@ -361,7 +369,7 @@ def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool], timeout_s:
     done: queue.Queue = queue.Queue()
     running: dict[int, tuple[float, int]] = {}  # index -> (deadline, ticket)
     while pending or running:
-        while pending and (ticket := slots.acquire()) is not None:
+        while pending and (ticket := slots.acquire(wait=not running)) is not None:
             i, kwargs = pending.pop(0)
             running[i] = (time.monotonic() + timeout_s, ticket)
             _start(i, calls[i].name, tools[calls[i].name].fn, kwargs, done, slots, ticket)
