@@ -51,6 +51,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import numpy as np
 import torch
 
+from benchmarks import guided_cost, guided_profile
 from verl.protocol import DataProto
 from verl.tasks.real_model import CHAT_PROMPTS
 from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
@@ -218,11 +219,13 @@ def timed(
     before = rss_kb()
     reset = peak_rss_reset()
     LOOKUP_S[0] = 0.0
+    guided_profile.reset()
     DRAFT_STEPS.update(all=0, lookup=0, in_lookup=0, lookup_steps=0)
     start = time.perf_counter()
     out = engine.generate_sequences(batch)
     seconds = time.perf_counter() - start
     out.meta_info["draft_lookup_s"] = LOOKUP_S[0]
+    out.meta_info["profile"] = guided_profile.snapshot()
     out.meta_info["draft_steps"] = dict(DRAFT_STEPS)
     if reset and before:  # this process's peak during the call, above its RSS before it
         peak = rss_kb()["VmHWM"]
@@ -338,8 +341,8 @@ def measure(args: argparse.Namespace, root: str) -> None:
     ks, groups = [int(k) for k in args.k.split(",")], [int(g) for g in args.groups.split(",")]
     bonus = [b == "on" for b in args.bonus.split(",")]
     targets = args.target.split(",")
-    if args.real or len(top_ks) > 1:
-        time_draft_lookups()
+    time_draft_lookups()  # the lookups' seconds: the cost model's t_l
+    guided_profile.install()  # where the rest goes
     runs, baselines = (
         {},
         {},
@@ -376,6 +379,7 @@ def measure(args: argparse.Namespace, root: str) -> None:
     meta = {}
     peaks: dict[str, list[int]] = {name: [] for name in runs}  # this process's peak growth, kB
     lookup_s: dict[str, list[float]] = {name: [] for name in runs}
+    profiles: dict[str, list[dict]] = {name: [] for name in runs}
     startup_rss = rss_kb().get("VmRSS", 0)  # every engine built, nothing generated yet
     for engine, *_ in runs.values():  # each guidance process's peak counts from here
         proc = getattr(engine.engines.guidance, "_proc", None)
@@ -396,6 +400,7 @@ def measure(args: argparse.Namespace, root: str) -> None:
             times[name].append(seconds)
             meta[name] = out.meta_info
             lookup_s[name].append(out.meta_info["draft_lookup_s"])
+            profiles[name].append(out.meta_info["profile"])
             if "parent_peak_rss_growth_kb" in out.meta_info:
                 peaks[name].append(out.meta_info["parent_peak_rss_growth_kb"])
             assert int(out.batch["response_mask"].sum()) == args.prompts * args.response
@@ -431,6 +436,16 @@ def measure(args: argparse.Namespace, root: str) -> None:
             f"median {mid:.2f}, quartiles {low:.2f}-{high:.2f}; fastest repeats {best:.2f}x); "
             f"{per_emitted:.2f} guidance tokens computed per emitted token (goal <= 2)"
         )
+    cost_model_section(runs, baselines, times, meta, lookup_s, batch, args, vocab)
+    guided = [n for n in baselines if n.startswith("guided")]
+    print("\n=== where the guided rollout's time goes (this process, the repeat of median wall time; "
+          "seconds, share of the wall time, calls) ===")  # fmt: skip
+    middle = {
+        n: sorted(range(len(times[n])), key=times[n].__getitem__)[len(times[n]) // 2]
+        for n in guided
+    }
+    print(guided_profile.table({n: profiles[n][i] for n, i in middle.items()},
+                               {n: times[n][i] for n, i in middle.items()}))  # fmt: skip
     if args.real or len(top_ks) > 1:
         top_k_section(runs, baselines, times, meta, peaks, lookup_s, top_k_of, vocab, startup_rss)
     for name in [n for n in times if n.startswith("teacher overlap")]:
@@ -439,6 +454,56 @@ def measure(args: argparse.Namespace, root: str) -> None:
         ci_low, ci_high, share = bootstrap_ratio(times[name], times[other], goal=1.0)
         print(f"{name} / {other}: wall time {ratio:.2f}x (95 % bootstrap interval {ci_low:.2f}-{ci_high:.2f}; "
               f"overlap faster in {share:.0%} of resamples)")  # fmt: skip
+
+
+def cost_model_section(runs, baselines, times, meta, lookup_s, batch, args, vocab: int) -> None:
+    """Per guided setting: the measured ratio beside the cost model's prediction (sequential and
+    overlapped schedules) and the floor (`guided_cost`), from its parts timed now on the same
+    engines: each engine's prefill and step (draft) or call of m new positions (guidance), with
+    the cores split and with every core; the lookups' seconds per rejection from the timed runs."""
+    print("\n=== cost model (guided / draft-only; benchmarks/guided_cost.py, docs/design.md) ===")
+    ids = [row[mask.bool()].tolist() for row, mask in
+           zip(batch.batch["input_ids"], batch.batch["attention_mask"])]  # fmt: skip
+    split = int(split_cpu_threads()["OMP_NUM_THREADS"])
+    parts_of: dict[int, tuple] = {}  # id(engine) -> its timed engines
+    draft_only: dict[str, guided_cost.Engine] = {}
+    for name, base in baselines.items():
+        if not name.startswith("guided"):
+            continue
+        engine, _, bonus, _, _ = runs[name]
+        k = engine.config.offpolicy_guidance.num_speculative_tokens
+        if base not in draft_only:
+            draft_only[base] = guided_cost.time_draft(
+                runs[base][0], ids, args.response, 1, DEFAULT_THREADS
+            )
+        if id(engine) not in parts_of:
+            ms = sorted({2, 3, 5, 9, k + 1})
+            parts_of[id(engine)] = tuple(
+                [guided_cost.time_draft(engine, ids, args.response, engine.num_logprobs, t) for t in (split, DEFAULT_THREADS)]
+                + [guided_cost.time_guidance(engine, ids, args.response, ms, t, vocab) for t in (split, DEFAULT_THREADS)]
+            )  # fmt: skip
+            split_cpu_threads()
+        m = meta[name]
+        rejections = max(1, m["emitted_tokens"] - m["accepted_tokens"] - m["bonus_tokens"])
+        parts = guided_cost.Parts(*parts_of[id(engine)], statistics.median(lookup_s[name]) / rejections,
+                                  args.response)  # fmt: skip
+        alpha, measured = m["accept_rate"], statistics.median(times[base])
+        ratio = statistics.median(times[name]) / measured
+        seq, ovl = (guided_cost.guided_seconds(parts, alpha, k, bonus, s) / measured
+                    for s in ("sequential", "overlapped"))  # fmt: skip
+        best, best_k, schedule = guided_cost.floor(parts, alpha, bonus)
+        per_round = guided_cost.measured_tokens_per_round(m["emitted_tokens"], m["sequence_rounds"])
+        check = guided_cost.draft_only_seconds(draft_only[base], args.response)
+        print(f"{name}: measured {ratio:.2f}x; model {seq:.2f}x sequential, {ovl:.2f}x overlapped; "
+              f"floor {best / measured:.2f}x (k={best_k}, {schedule}); measured / floor {ratio * measured / best:.2f}x; "
+              f"alpha {alpha:.3f}, tokens per round {guided_cost.tokens_per_round(alpha, k, bonus):.2f} model, "
+              f"{per_round:.2f} measured; draft-only {measured:.2f} s measured, {check:.2f} s model")  # fmt: skip
+        d_split, d_full, g_split, g_full = parts_of[id(engine)]
+        print(f"  parts (split {split} / full {DEFAULT_THREADS} threads): draft step {d_split.step * 1e3:.2f} / "
+              f"{d_full.step * 1e3:.2f} ms (draft-only {draft_only[base].step * 1e3:.2f} ms), prefill {d_split.prefill:.3f} / "
+              f"{d_full.prefill:.3f} s; guidance call of m positions "
+              + ", ".join(f"m={x}: {g_split.verify[x] * 1e3:.1f} / {g_full.verify[x] * 1e3:.1f} ms" for x in sorted(g_split.verify))
+              + f"; lookups {parts.lookup_per_rejection * 1e3:.2f} ms per rejection")  # fmt: skip
 
 
 def top_k_section(

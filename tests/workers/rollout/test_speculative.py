@@ -226,6 +226,9 @@ def test_generated_sequences_follow_q_lambda(lam, k):
     assert stats.emitted == n * length
     if lam == 0.0:
         assert stats.accept_rate == 1.0 and not any(any(s.offpolicy) for s in seqs)
+        # every proposal accepted, no bonus tokens here: k = 2 tokens a round, then the last 1
+        # (budget 1), so 2 rounds per sequence: sequence_rounds 2n over `rounds` batch rounds 2
+        assert (stats.sequence_rounds, stats.rounds) == (2 * n, 2)
     # every token's recorded log-probs are the chains' values, and the exact behavior is log q_λ
     s = seqs[0]
     prevs = [0, *s.tokens[:-1]]

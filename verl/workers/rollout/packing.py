@@ -163,7 +163,8 @@ class Counters:
         if stats is not None:  # speculative rounds ran: TV(target, q_λ) per emitted token
             tv = [t for s in seqs for t in s.target_tv]
             meta["target_tv"] = float(np.mean(tv)) if tv else 0.0
-            meta.update(accept_rate=stats.accept_rate, rounds=stats.rounds, proposed_tokens=stats.proposed,
+            meta.update(accept_rate=stats.accept_rate, rounds=stats.rounds, sequence_rounds=stats.sequence_rounds,
+                        proposed_tokens=stats.proposed,
                         accepted_tokens=stats.accepted, bonus_tokens=stats.bonus,
                         guidance_tokens_per_emitted=self.computed / max(emitted, 1))  # fmt: skip
         if self.tail_mass:

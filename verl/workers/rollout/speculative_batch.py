@@ -62,6 +62,7 @@ class RoundStats:
     """Counters over a whole generation."""
 
     rounds: int = 0
+    sequence_rounds: int = 0  # rounds summed over the sequences in them
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0
@@ -70,6 +71,7 @@ class RoundStats:
     def add(self, other: RoundStats) -> None:
         """Accumulate the counters of another generation (e.g. the next wave of sequences)."""
         self.rounds += other.rounds
+        self.sequence_rounds += other.sequence_rounds
         self.proposed += other.proposed
         self.accepted += other.accepted
         self.emitted += other.emitted
@@ -223,6 +225,7 @@ class SpeculativeBatch:
             result = verify_proposals(proposals, num_proposed, draft_tables, guidance_tables,
                                       lam, uniforms=uniforms)  # fmt: skip
         self.stats.rounds += 1
+        self.stats.sequence_rounds += len(num)
         self.stats.proposed += int(num_proposed.sum())
         self.stats.accepted += int(result.num_accepted.sum())
         extra = self._bonus(result, num_proposed, bonus, uniforms[:, -1].numpy(), at)

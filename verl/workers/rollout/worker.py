@@ -120,7 +120,7 @@ class PeakMemory:
 
 
 SUMMED = ("emitted_tokens", "guidance_tokens_computed", "guidance_tokens_submitted", "rounds",
-          "proposed_tokens", "accepted_tokens", "bonus_tokens", "topk_rows", "draft_lookups")  # fmt: skip
+          "sequence_rounds", "proposed_tokens", "accepted_tokens", "bonus_tokens", "topk_rows", "draft_lookups")  # fmt: skip
 """Counts in a replica's meta_info that add up over replicas (rounds: rounds run, all replicas)."""
 
 

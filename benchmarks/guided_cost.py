@@ -1,0 +1,195 @@
+"""A cost model of the speculative guided rollout against draft-only, and the floor it implies.
+
+Notation (docs/design.md, "What a guided rollout costs"): B sequences, L new tokens each, k
+proposals per round, b = 1 with bonus tokens (the draft drafts one lookahead token past the
+proposals while they are scored), α the probability a proposal is accepted (taken as the same
+at every position), t_d(B) one draft decode step over the B sequences, t_v(B, m) one guidance
+call that computes m new positions per sequence (a round scores k + 1: the round's first token,
+which the guidance has not seen, and the k proposals; its rows are the k proposals' and the one
+past them), t_l the draft's lookups per rejection (rows at guidance tokens the draft's top-K did
+not list), P the prefills.
+
+Tokens emitted per round per sequence (accepted proposals, then the residual or the bonus token):
+    E[N] = Σ_{i=0..k} α^i = (1 - α^(k+1)) / (1 - α)        with bonus tokens
+    E[N] = Σ_{i=1..k} α^i + (1 - α^k)                      without (no token after a full run)
+Seconds of one round, each engine doing its own work:
+    D = (k + b)·t_d(B) + (1 - α^k)·t_l          (the draft's steps and lookups)
+    V = t_v(B, k + 1)                            (the guidance's verification)
+    sequential: D + V   (one engine at a time, each may use every core)
+    overlapped: max(D, V)   (each engine on its own cores, the rounds of other sequences beside)
+Guided rollout: P_d + P_v + (L / E[N]) · round; draft-only: P_d + (L - 1)·t_d(B).
+The floor is the best of the schedules at the best k for the measured α, with engine time only
+(no Python, no scheduling between calls): a lower bound, since a pipeline of G groups runs each
+engine step over B/G sequences at most, and t(B/G)·G ≥ t(B).
+
+Everything here is plain arithmetic on measured seconds, so it is unit tested
+(tests/benchmarks/test_guided_cost.py); bench_guided_rollout.py times the parts in the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def tokens_per_round(alpha: float, k: int, bonus: bool = True) -> float:
+    """E[N], the tokens one round emits per sequence, for acceptance `alpha` and `k` proposals."""
+    if not 0.0 <= alpha <= 1.0 or k < 1:
+        raise ValueError(f"tokens_per_round: alpha={alpha} must be in [0, 1] and k={k} >= 1")
+    accepted = sum(alpha**i for i in range(1, k + 1))
+    return accepted + (1.0 if bonus else 1.0 - alpha**k)
+
+
+def measured_tokens_per_round(emitted: int, sequence_rounds: int) -> float:
+    """Tokens per sequence-round as run: emitted tokens over the rounds summed over the sequences
+    in them (the rollout's `sequence_rounds`; a round cut short by the length limit counts too)."""
+    return emitted / sequence_rounds if sequence_rounds > 0 else float("nan")
+
+
+@dataclass
+class Engine:
+    """One engine's measured seconds at one thread count: `step` a decode step (draft) or a
+    call over m new positions as a function (guidance: `verify[m]`), `prefill` its first call."""
+
+    prefill: float
+    step: float = 0.0
+    verify: dict[int, float] = field(default_factory=dict)
+
+    def verify_s(self, m: int) -> float:
+        """t_v(B, m): measured at the m in `verify`, linear between them and past the ends."""
+        ms = sorted(self.verify)
+        if m in self.verify or len(ms) == 1:
+            return self.verify.get(m, self.verify[ms[0]])
+        if m < ms[0]:
+            lo, hi = ms[0], ms[1]
+        elif m > ms[-1]:
+            lo, hi = ms[-2], ms[-1]
+        else:
+            return float(np.interp(m, ms, [self.verify[x] for x in ms]))
+        slope = (self.verify[hi] - self.verify[lo]) / (hi - lo)
+        return max(0.0, self.verify[lo] + slope * (m - lo))
+
+
+@dataclass
+class Parts:
+    """The measured parts of one setting: the draft and the guidance engines with the cores
+    split between them (`split`) and with every core (`full`), seconds of lookups per rejection,
+    the response length L."""
+
+    draft_split: Engine
+    draft_full: Engine
+    guidance_split: Engine
+    guidance_full: Engine
+    lookup_per_rejection: float
+    length: int
+
+
+def round_seconds(parts: Parts, alpha: float, k: int, bonus: bool, schedule: str) -> float:
+    """Seconds of one round: D + V ("sequential", every core to the engine working) or
+    max(D, V) ("overlapped", the cores split)."""
+    if schedule == "sequential":
+        draft, guidance = parts.draft_full, parts.guidance_full
+    elif schedule == "overlapped":
+        draft, guidance = parts.draft_split, parts.guidance_split
+    else:
+        raise ValueError(f"schedule {schedule!r}: valid values are sequential, overlapped")
+    d = (k + int(bonus)) * draft.step + (1.0 - alpha**k) * parts.lookup_per_rejection
+    v = guidance.verify_s(k + 1)
+    return d + v if schedule == "sequential" else max(d, v)
+
+
+def guided_seconds(parts: Parts, alpha: float, k: int, bonus: bool, schedule: str) -> float:
+    """Predicted seconds of the guided rollout: P_d + P_v + (L / E[N]) · round."""
+    draft, guidance = (
+        (parts.draft_full, parts.guidance_full)
+        if schedule == "sequential"
+        else (parts.draft_split, parts.guidance_split)
+    )
+    rounds = parts.length / tokens_per_round(alpha, k, bonus)
+    return (
+        draft.prefill + guidance.prefill + rounds * round_seconds(parts, alpha, k, bonus, schedule)
+    )
+
+
+def draft_only_seconds(draft_full: Engine, length: int) -> float:
+    """Predicted seconds of the draft-only rollout: P_d + (L - 1)·t_d(B)."""
+    return draft_full.prefill + (length - 1) * draft_full.step
+
+
+def floor(
+    parts: Parts, alpha: float, bonus: bool, ks: range = range(1, 13)
+) -> tuple[float, int, str]:
+    """(seconds, k, schedule) of the cheapest schedule at the best k for acceptance `alpha`."""
+    return min(
+        (guided_seconds(parts, alpha, k, bonus, s), k, s)
+        for k in ks
+        for s in ("sequential", "overlapped")
+    )
+
+
+# ---------------------------------------------------------------- timing the parts (the engines)
+def _median_seconds(run, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def time_draft(engine, prompts: list[list[int]], length: int, logprobs: int, threads: int,
+               repeats: int = 3) -> Engine:  # fmt: skip
+    """A rollout's draft engine (`engine.engines.draft`, `vllm.LLM`) at `threads` threads, with
+    the rollout's own sampling settings and `logprobs` listed per token: P_d the seconds of a
+    one-token generation of every prompt, t_d = (T(L) - T(1)) / (L - 1)."""
+    import torch
+    from vllm import SamplingParams
+
+    ctx = engine.call_context({"ignore_eos": True})
+    requests = [{"prompt_token_ids": list(p)} for p in prompts]
+
+    def generate(n: int) -> None:
+        params = SamplingParams(**ctx.sampling_kwargs(n, logprobs, 0))
+        engine.engines.draft.generate(requests, params, use_tqdm=False)
+
+    torch._C.set_num_threads(threads)
+    generate(1)  # warm
+    one = _median_seconds(lambda: generate(1), repeats)
+    whole = _median_seconds(lambda: generate(length), repeats)
+    return Engine(prefill=one, step=max(0.0, whole - one) / max(length - 1, 1))
+
+
+def time_guidance(engine, prompts: list[list[int]], length: int, ms: list[int], threads: int,
+                  vocab: int) -> Engine:  # fmt: skip
+    """The guidance engine of a rollout (`engine.engines.guidance`) at `threads` threads, over the
+    channel the rollout uses: per m in `ms`, sessions of the prompts run scoring calls of m new
+    positions each (the rounds of a run whose proposals are all accepted: m - 1 random tokens
+    appended, the session recomputing from the last token it had) until `length` tokens are in;
+    t_v(B, m) is the median call. P_v is the first call of m = min(ms) (it prefills the prompts)."""
+    channel, ctx = engine.engines.guidance, engine.call_context({"ignore_eos": True})
+    processing, rng = ctx.guidance_processing(), np.random.default_rng(0)
+    channel.call("threads", threads)
+    verify, prefill = {}, None
+    try:
+        for m in sorted(ms):
+            sids = [f"cost-{m}-{i}" for i in range(len(prompts))]
+            prefixes, calls = [list(p) for p in prompts], []
+            while len(prefixes[0]) - len(prompts[0]) < length:
+                new = rng.integers(4, vocab, size=(len(prompts), m - 1)).tolist()
+                chunks = [(sid, p + t, 1, len(p) - 1) for sid, p, t in zip(sids, prefixes, new)]
+                rows = [(len(p) - 1, m - 1) for p in prefixes]
+                start = time.perf_counter()
+                channel.call("score", chunks, rows, engine.num_logprobs, processing)
+                calls.append(time.perf_counter() - start)
+                prefixes = [p + t for p, t in zip(prefixes, new)]
+            channel.call("close", sids)
+            prefill = calls[0] if prefill is None else prefill
+            verify[m] = statistics.median(calls[1:] or calls)
+    finally:  # back to the guidance's share of the cores, as the rollout runs it
+        from verl.workers.rollout.engine_lifecycle import split_cpu_threads
+
+        channel.call("threads", int(split_cpu_threads()["OMP_NUM_THREADS"]))
+    return Engine(prefill=prefill, verify=verify)
