@@ -27,6 +27,12 @@ the seconds and draft-engine steps inside those lookups (`time_draft_lookups`), 
 `topk_tail_mass`, and peak memory (this process's peak RSS during one call above its RSS before
 it, from /proc/self/clear_refs; each guidance process's peak RSS over the calls).
 
+After the timed repeats, every guided setting gets the cost model's section (`guided_cost.py`,
+docs/design.md "What a guided rollout costs"): its parts timed on the same engines, the
+prediction for both schedules beside the measured ratio, the floor (the best k, engine time
+only) and measured / floor; then where the time went in the draft's process
+(`guided_profile.py`: engine steps, rewinds, lookups, requests, waits, verification, the rest).
+
 Usage:
     python benchmarks/bench_guided_rollout.py
     python benchmarks/bench_guided_rollout.py --prompts 32 --response 32 --repeats 2
@@ -487,17 +493,19 @@ def cost_model_section(runs, baselines, times, meta, lookup_s, batch, args, voca
         rejections = max(1, m["emitted_tokens"] - m["accepted_tokens"] - m["bonus_tokens"])
         parts = guided_cost.Parts(*parts_of[id(engine)], statistics.median(lookup_s[name]) / rejections,
                                   args.response)  # fmt: skip
-        alpha, measured = m["accept_rate"], statistics.median(times[base])
+        per_round = guided_cost.measured_tokens_per_round(m["emitted_tokens"], m["sequence_rounds"])
+        alpha = guided_cost.effective_alpha(per_round, k, bonus)  # the measured tokens per round
+        measured = statistics.median(times[base])
         ratio = statistics.median(times[name]) / measured
         seq, ovl = (guided_cost.guided_seconds(parts, alpha, k, bonus, s) / measured
                     for s in ("sequential", "overlapped"))  # fmt: skip
         best, best_k, schedule = guided_cost.floor(parts, alpha, bonus)
-        per_round = guided_cost.measured_tokens_per_round(m["emitted_tokens"], m["sequence_rounds"])
         check = guided_cost.draft_only_seconds(draft_only[base], args.response)
         print(f"{name}: measured {ratio:.2f}x; model {seq:.2f}x sequential, {ovl:.2f}x overlapped; "
               f"floor {best / measured:.2f}x (k={best_k}, {schedule}); measured / floor {ratio * measured / best:.2f}x; "
-              f"alpha {alpha:.3f}, tokens per round {guided_cost.tokens_per_round(alpha, k, bonus):.2f} model, "
-              f"{per_round:.2f} measured; draft-only {measured:.2f} s measured, {check:.2f} s model")  # fmt: skip
+              f"{per_round:.2f} tokens per sequence-round, effective alpha {alpha:.3f} (accepted / proposed "
+              f"{m['accept_rate']:.3f}, which would give {guided_cost.tokens_per_round(m['accept_rate'], k, bonus):.2f}); "
+              f"draft-only {measured:.2f} s measured, {check:.2f} s model")  # fmt: skip
         d_split, d_full, g_split, g_full = parts_of[id(engine)]
         print(f"  parts (split {split} / full {DEFAULT_THREADS} threads): draft step {d_split.step * 1e3:.2f} / "
               f"{d_full.step * 1e3:.2f} ms (draft-only {draft_only[base].step * 1e3:.2f} ms), prefill {d_split.prefill:.3f} / "

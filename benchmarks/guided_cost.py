@@ -43,6 +43,20 @@ def tokens_per_round(alpha: float, k: int, bonus: bool = True) -> float:
     return accepted + (1.0 if bonus else 1.0 - alpha**k)
 
 
+def effective_alpha(tokens: float, k: int, bonus: bool = True) -> float:
+    """The α at which E[N] equals the measured tokens per round (bisection; E[N] grows with α).
+    Acceptances are not independent (a round whose first proposal passes tends to pass the
+    next), so the rate accepted / proposed underestimates the tokens a round gives; this α
+    reproduces them at the measured k and carries them to other k."""
+    low, high = 0.0, 1.0
+    if tokens >= tokens_per_round(1.0, k, bonus):
+        return 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if tokens_per_round(mid, k, bonus) < tokens else (low, mid)
+    return (low + high) / 2
+
+
 def measured_tokens_per_round(emitted: int, sequence_rounds: int) -> float:
     """Tokens per sequence-round as run: emitted tokens over the rounds summed over the sequences
     in them (the rollout's `sequence_rounds`; a round cut short by the length limit counts too)."""

@@ -39,6 +39,17 @@ def test_tokens_per_round_matches_simulated_rounds(alpha, k, bonus):
     assert abs(emitted.mean() - C.tokens_per_round(alpha, k, bonus)) < 4 * se
 
 
+def test_effective_alpha_inverts_tokens_per_round():
+    # 1.9375 tokens a round at k = 4 with bonus tokens is α = 0.5 (first test); 5 is every one
+    assert C.effective_alpha(1.9375, 4) == pytest.approx(0.5, abs=1e-12)
+    assert C.effective_alpha(5.0, 4) == 1.0 and C.effective_alpha(1.0, 4) == pytest.approx(
+        0.0, abs=1e-12
+    )
+    assert C.effective_alpha(C.tokens_per_round(0.81, 6, False), 6, False) == pytest.approx(
+        0.81, abs=1e-12
+    )
+
+
 def test_measured_tokens_per_round():
     # 100 emitted tokens in 40 sequence-rounds: 2.5 a round; no round yet: nan
     assert C.measured_tokens_per_round(100, 40) == 2.5
