@@ -5,8 +5,10 @@ prompts x 8 responses, two updates of 256), without validation, for `--steps` st
 `async_training.staleness` 0 (the synchronous trainer), 1 and 2; once with guidance off (plain
 GRPO) and once guided (speculative, the demo's λ). The runs alternate (0, 1, 2, 0, 1, 2, ...,
 `--repeats` times) so that load drift on a shared machine falls on every variant alike. Steady
-state: each run's `perf/time_per_step` after its first `--warmup` steps (a step's wall time from
-the moment the trainer asks for its batch to the end of its weight sync). The ratio sync / async
+state: each run's `perf/time_per_step` after its first `--warmup` steps and before its last k
+(at staleness k the last k steps train batches generated earlier with nothing generated beside
+them); a step's wall time runs from the moment the trainer asks for its batch to the end of its
+weight sync. Each run starts in an empty folder. The ratio sync / async
 of mean step times gets a bootstrap 95 % interval over the steps of every run of both variants.
 Writes <out>/bench_async.json and prints a table.
 
@@ -20,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -65,22 +68,30 @@ def run_args(recipe: str, staleness: int, steps: int, run_dir: Path, pair: list[
             "trainer.logger=[file]", f"trainer.save_checkpoint_path={run_dir}", "trainer.resume=none"]  # fmt: skip
 
 
-def step_times(run_dir: Path, warmup: int) -> tuple[list[float], dict[str, float]]:
-    """Steady-state seconds per step of a finished run, and its mean async/* and timing_s/*."""
+def step_times(
+    run_dir: Path, warmup: int, staleness: int = 0
+) -> tuple[list[float], dict[str, float]]:
+    """Steady-state seconds per step of a finished run, and its mean async/* and timing_s/*: its
+    steps after the first `warmup`, less the last `staleness` (their batches were generated while
+    earlier steps trained and nothing is generated beside them: the pipeline draining, faster
+    than its steady state)."""
     rows = [
         json.loads(x)
         for x in (run_dir / "experiment_log.jsonl").read_text().splitlines()
         if x.strip()
     ]
-    rows = [r for r in rows if "perf/time_per_step" in r][warmup:]
+    rows = [r for r in rows if "perf/time_per_step" in r]
+    rows = rows[warmup : len(rows) - staleness]
     keys = {k for r in rows for k in r if k.startswith(("async/", "timing_s/"))}
     means = {k: statistics.fmean(r[k] for r in rows if k in r) for k in sorted(keys)}
     return [r["perf/time_per_step"] for r in rows], means
 
 
 def run_once(recipe: str, staleness: int, steps: int, run_dir: Path, pair: list[str]) -> None:
-    """One training run, its output in run_dir/run.log; on failure, the log's tail and exit."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """One training run in a fresh run_dir (the trainer appends to an existing experiment log),
+    its output in run_dir/run.log; on failure, the log's tail and exit."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
     cmd = [
         sys.executable,
         "-m",
@@ -122,7 +133,7 @@ def main() -> None:
                 run_dir = WORK / f"{recipe}-s{k}-r{repeat}"
                 start = time.perf_counter()
                 run_once(recipe, k, args.steps, run_dir, pair)
-                steps, means = step_times(run_dir, args.warmup)
+                steps, means = step_times(run_dir, args.warmup, k)
                 times[k] += steps
                 result["runs"].append({"recipe": recipe, "staleness": k, "repeat": repeat, "step_times": steps,
                                        "wall_s": time.perf_counter() - start, "means": means})  # fmt: skip
