@@ -101,15 +101,19 @@ class Parts:
     length: int
 
 
-def round_seconds(parts: Parts, alpha: float, k: int, bonus: bool, schedule: str) -> float:
-    """Seconds of one round: D + V ("sequential", every core to the engine working) or
-    max(D, V) ("overlapped", the cores split)."""
+def _engines(parts: Parts, schedule: str) -> tuple[Engine, Engine]:
+    """(draft, guidance) as a schedule runs them: every core to the engine working
+    ("sequential") or the cores split ("overlapped")."""
     if schedule == "sequential":
-        draft, guidance = parts.draft_full, parts.guidance_full
-    elif schedule == "overlapped":
-        draft, guidance = parts.draft_split, parts.guidance_split
-    else:
-        raise ValueError(f"schedule {schedule!r}: valid values are sequential, overlapped")
+        return parts.draft_full, parts.guidance_full
+    if schedule == "overlapped":
+        return parts.draft_split, parts.guidance_split
+    raise ValueError(f"schedule {schedule!r}: valid values are sequential, overlapped")
+
+
+def round_seconds(parts: Parts, alpha: float, k: int, bonus: bool, schedule: str) -> float:
+    """Seconds of one round: D + V ("sequential") or max(D, V) ("overlapped")."""
+    draft, guidance = _engines(parts, schedule)
     d = (k + int(bonus)) * draft.step + (1.0 - alpha**k) * parts.lookup_per_rejection
     v = guidance.verify_s(k + 1)
     return d + v if schedule == "sequential" else max(d, v)
@@ -117,11 +121,7 @@ def round_seconds(parts: Parts, alpha: float, k: int, bonus: bool, schedule: str
 
 def guided_seconds(parts: Parts, alpha: float, k: int, bonus: bool, schedule: str) -> float:
     """Predicted seconds of the guided rollout: P_d + P_v + (L / E[N]) · round."""
-    draft, guidance = (
-        (parts.draft_full, parts.guidance_full)
-        if schedule == "sequential"
-        else (parts.draft_split, parts.guidance_split)
-    )
+    draft, guidance = _engines(parts, schedule)
     rounds = parts.length / tokens_per_round(alpha, k, bonus)
     return (
         draft.prefill + guidance.prefill + rounds * round_seconds(parts, alpha, k, bonus, schedule)
