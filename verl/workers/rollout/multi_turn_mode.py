@@ -290,8 +290,21 @@ class ToolRuns:
         return [(*self._running.pop(f), f.result()) for f in done]
 
 
+class _Outcomes:
+    """What `EpisodeStream` and `GuidedEpisodes` share: an ended turn's outcome. Needs
+    `episodes`, `runtime`, `cut`, `limit` and `finished` on the instance."""
+
+    def _follow(self, i: int, read: TurnCalls, results: list[ToolResult]) -> bool:
+        """Episode i's outcome (`follow`); whether it goes on."""
+        goes_on, self.cut[i] = follow(self.episodes[i], self.runtime.answer(read, results),
+                                      read.reason, self.limit)  # fmt: skip
+        if not goes_on:
+            self.finished.append(i)
+        return goes_on
+
+
 @dataclass
-class EpisodeStream:
+class EpisodeStream(_Outcomes):
     """Draft-only episodes that advance on their own (continuous batching across episodes).
 
     Every episode's first turn is a request on the draft engine (`RequestStream`); the engine steps
@@ -357,17 +370,9 @@ class EpisodeStream:
         else:
             self._follow(i, read, [])
 
-    def _follow(self, i: int, read: TurnCalls, results: list[ToolResult]) -> bool:
-        """Episode i's outcome (`follow`); whether it goes on."""
-        goes_on, self.cut[i] = follow(self.episodes[i], self.runtime.answer(read, results),
-                                      read.reason, self.limit)  # fmt: skip
-        if not goes_on:
-            self.finished.append(i)
-        return goes_on
-
 
 @dataclass
-class GuidedEpisodes:
+class GuidedEpisodes(_Outcomes):
     """Guided episodes of one wave that advance on their own: one `run_rounds` over the wave, whose
     batches hand each ended turn here (`speculative.Refill`). A turn's calls run on a thread pool
     while the rounds go on (`ToolRuns`); once they return, the delta is appended and the episode
@@ -441,14 +446,6 @@ class GuidedEpisodes:
                 self.submitted.append((i, self._turns[i]))
                 keys.add(key)
         return sorted(keys)
-
-    def _follow(self, i: int, read: TurnCalls, results: list[ToolResult]) -> bool:
-        """Episode i's outcome (`follow`); whether it goes on."""
-        goes_on, self.cut[i] = follow(self.episodes[i], self.runtime.answer(read, results),
-                                      read.reason, self.limit)  # fmt: skip
-        if not goes_on:
-            self.finished.append(i)
-        return goes_on
 
 
 def _packed(ctx: RolloutContext, episodes: list[Trajectory], cut: list[bool]) -> dict:
