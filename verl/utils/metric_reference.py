@@ -56,7 +56,7 @@ _DOCS = (
               "0 when K covers the vocabulary or the top-k/top-p cut; otherwise how much of q the speculative target leaves out (see target_tv)."),
     MetricDoc(M.GUIDANCE_TARGET_TV, _G, "Mean over emitted tokens of TV(target, q_λ) = λ·(1 − Q_S) at their positions: how far the distribution the rollout sampled exactly (q renormalised over its listed set S, mixed with p) is from the ideal q_λ; under `topk_target: draft_tail` that value is an upper bound (the exact distance needs q off S). μ is exact for the target either way.",
               "0 when K covers the vocabulary or the cut; raise `logprobs` if it matters for your experiment."),
-    MetricDoc(M.GUIDANCE_DRAFT_LOOKUP_RATIO, _G, "Draft-engine lookups (a rejected position's p on the guidance's set S, or a bonus token's p, not in the draft's own top-K) per emitted token.",
+    MetricDoc(M.GUIDANCE_DRAFT_LOOKUP_RATIO, _G, "Draft-engine lookups (a residual or bonus token the guidance drew that the draft's own top-K does not list, whose p μ needs) per emitted token.",
               "0 when the draft's `logprobs` cover the vocabulary; each lookup recomputes one token of the draft."),
     MetricDoc(M.GUIDANCE_GUIDED_IS_WEIGHT_MEAN, _G, "Mean truncated weight clamp(π_old/μ) over the guidance tokens whose π_old and μ are known.",
               "Below 1 when the draft finds the guidance's tokens unlikely; near 0 means they barely train."),

@@ -20,6 +20,7 @@ from verl.workers.rollout.speculative import (
     verify_listed,
     verify_proposals,
 )
+from verl.workers.rollout.speculative_verify import _more_uniforms
 
 NEG_INF = float("-inf")
 
@@ -281,10 +282,12 @@ def test_verify_listed_hand_values():
     )  # fmt: skip
     # seq 0: S = {2, 4, 0}, Q_S = 0.9, q̃(4) = 1/3: ratio 0.5 + 0.5 * (1/3)/0.5 = 0.8333 > u = 0.79,
     # accepted. Token 7: S = {1, 3, 7}, Q_S = 0.9, q̃(7) = 1/9: ratio 0.5 + 0.5 * (1/9)/0.6 =
-    # 0.5926 <= u = 0.6, rejected. The residual needs p on S = [1, 3, 7]: the draft row lists 1
-    # and 7 but not 3 (and no zero, so 3 is unknown): the probe gives the row, p = [.2, .05, .6].
-    # q̃ = [5/9, 3/9, 1/9]; residual [5/9 - .2, 1/3 - .05, 0] = [.35556, .28333, 0], CDF
-    # [.35556, .63889, .63889]; last uniform 0.6 * .63889 = .38333 passes 1 entry -> token 3.
+    # 0.5926 <= u = 0.6, rejected. The residual max(0, q̃ - p) over S = [1, 3, 7], q̃ = [5/9,
+    # 3/9, 1/9]: the draft row lists 1 (p .2) and 7 (p .6) but not 3 (and no zero, so p(3) is
+    # unknown), so y is drawn from the envelope [5/9 - .2, q̃(3), max(0, 1/9 - .6)] = [.35556,
+    # .33333, 0], CDF [.35556, .68889, .68889]; last uniform 0.6 * .68889 = .41333 passes 1 entry
+    # -> token 3, unknown: the probe gives the row, p = [.2, .05, .6], and 3 is kept if
+    # v < 1 - p(3)/q̃(3) = 1 - .05 * 3 = .85, v = .31034 (`_more_uniforms(0.6)`): kept.
     # seq 1: S = {2, 9, 0}, Q_S = .8, q̃(2) = .5: ratio 0.5 + 0.5 * .5/.2 = 1.75; S = {0, 8, 1},
     # Q_S = .95, q̃(0) = .7368: ratio 0.5 + 0.5 * .7368/.7 = 1.026; S = {9, 3, 2}, Q_S = .8,
     # q̃(9) = .25: ratio 0.5 + 0.5 * .25/.1 = 1.75. All >= 1: accepted whatever the uniforms.
@@ -314,12 +317,21 @@ def test_verify_listed_hand_values():
                            ("target_log_probs", expected_t), ("target_tv", expected_tv)):  # fmt: skip
         torch.testing.assert_close(getattr(out, name), torch.tensor(expected, dtype=D), rtol=1e-12,
                                    atol=1e-12, msg=name)  # fmt: skip
-    # a smaller last uniform, 0.4 * .63889 = .25556 < .35556, stops at the first entry: token 1
-    # (q 0.5, p 0.2: the probe's value)
+    np.testing.assert_allclose(_more_uniforms(np.array([0.6, 0.65]), 2),
+                               [[0.31033615, 0.25463521], [0.90506, 0.41704]], atol=5e-6)  # fmt: skip
+    # a smaller last uniform, 0.4 * .68889 = .27556 < .35556, stops at the first entry: token 1,
+    # listed (q .5, p .2), so the probe is not asked
     u[0, -1] = 0.4
     out = verify_listed(num, draft, guide, 0.5, u, probe)
     assert out.tokens[0, 1] == 1 and out.draft_log_probs[0, 1].item() == pytest.approx(log(0.2))
-    assert len(probe.calls) == 2
+    assert len(probe.calls) == 1
+    # 0.65 * .68889 = .44778 -> token 3 again, probed, but v = .90506 >= .85: rejected; the exact
+    # draw from the residual [.35556, .28333, 0] (CDF .63889) with w = .41704: .41704 * .63889 =
+    # .26644 < .35556 -> token 1
+    u[0, -1] = 0.65
+    out = verify_listed(num, draft, guide, 0.5, u, probe)
+    assert out.tokens[0, 1] == 1 and out.draft_log_probs[0, 1].item() == pytest.approx(log(0.2))
+    assert len(probe.calls) == 2 and probe.calls[-1] == ([0], [1], [[1, 3, 7]])
     # without a probe, p(3) is unknown: refused
     with pytest.raises(RuntimeError, match="no draft probe"):
         verify_listed(num, draft, guide, 0.5, u)
@@ -378,33 +390,97 @@ def test_verify_listed_equals_verify_proposals_on_topk(lam):
     top.ids[used], top.log_probs[used] = torch.from_numpy(ids), torch.from_numpy(values).double()
     ref = verify_proposals(proposals, num, dense, top, lam, uniforms=u)
     assert fast.offpolicy.any() and (fast.num_accepted > 1).any()
-    for name in ("tokens", "num_emitted", "num_accepted", "offpolicy"):
+    for name in ("num_emitted", "num_accepted", "offpolicy"):
         assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    # Where the draft's row lists all of S at the rejected position, the flat path draws the
+    # residual token by the same inverse CDF; elsewhere by rejection from an envelope (the
+    # probe asked only if the drawn token is unlisted), so only its law is the same (chi-square
+    # in test_residual_by_rejection_follows_the_residual); its values must still be exact.
+    rejected = fast.offpolicy.any(-1).numpy()
+    at = starts + fast.num_accepted.numpy()
+    lists_s = np.ones(batch, dtype=bool)
+    lists_s[rejected] = draft.take(at[rejected]).knows(guide.ids[at[rejected], 1:]).all(-1)
+    assert lists_s.any() and (~lists_s).any()
+    same = torch.from_numpy(lists_s)
+    assert torch.equal(fast.tokens[same], ref.tokens[same])
+    accepted = torch.arange(k) < fast.num_accepted.unsqueeze(-1)
+    assert torch.equal(fast.tokens[accepted], ref.tokens[accepted])
     for name in ("draft_log_probs", "target_log_probs", "target_tv"):
-        torch.testing.assert_close(getattr(fast, name), getattr(ref, name), rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            getattr(fast, name)[same], getattr(ref, name)[same], rtol=0, atol=1e-12
+        )
+    other = np.flatnonzero(~lists_s)
+    y = fast.tokens[other, fast.num_accepted[other]].numpy()
+    true_p = draft_full[at[other], y].astype(np.float64)
+    np.testing.assert_allclose(fast.draft_log_probs[other, fast.num_accepted[other]].numpy(), true_p,
+                               rtol=0, atol=1e-12)  # fmt: skip
     # guidance_log_probs: the same on S; a proposal outside S has q̃ = 0 (the reference's -inf)
     # and the flat path still reports its true q (column 0 of its guidance row); at λ = 1 such
     # a proposal is always rejected (ratio q̃/p = 0)
     outside = torch.isneginf(ref.guidance_log_probs)
     assert bool(outside.any()) == (lam < 1) and not (ref.offpolicy & outside).any()
-    torch.testing.assert_close(fast.guidance_log_probs[~outside], ref.guidance_log_probs[~outside],
+    both = ~outside & (fast.tokens == ref.tokens)
+    torch.testing.assert_close(fast.guidance_log_probs[both], ref.guidance_log_probs[both],
                                rtol=0, atol=1e-12)  # fmt: skip
     b, pos = outside.nonzero(as_tuple=True)
     row = torch.from_numpy(starts)[b] + pos
     torch.testing.assert_close(fast.guidance_log_probs[outside],
                                torch.from_numpy(guide.log_probs[row, 0]).double())  # fmt: skip
-    # the probe was asked only at rejected positions, for the guidance row's S, and only where
-    # the draft's row does not list all of it
+    # the probe was asked once, at rejected positions, for the guidance row's S, only where the
+    # draft's row does not list all of it, and not at all of those: a row whose envelope draw
+    # gave a listed token needs no probe (it emits a listed token)
     assert len(calls) == 1
     rows, positions, asked = calls[0]
     assert len(rows) and fast.offpolicy[rows, positions].all()
     at = starts[rows] + positions
     np.testing.assert_array_equal(asked, guide.ids[at, 1:])
     assert not draft.take(at).knows(asked).all(-1).any()
-    rejected = fast.offpolicy.nonzero().numpy()
-    at_all = starts[rejected[:, 0]] + rejected[:, 1]
-    known = draft.take(at_all).knows(guide.ids[at_all, 1:]).all(-1)
-    assert len(rows) == (~known).sum()
+    unasked = np.setdiff1d(other, rows)
+    assert 0 < len(rows) < len(other) and len(unasked)
+    y = fast.tokens[unasked, fast.num_accepted[unasked]].numpy()[:, None]
+    at_unasked = starts[unasked] + fast.num_accepted[unasked].numpy()
+    assert draft.take(at_unasked).knows(y).all()
+
+
+def test_residual_by_rejection_follows_the_residual():
+    """V = 8; the guidance lists S = its top-4 (ids 0-3, q = [.3, .25, .2, .15], Q_S = .9, q̃ =
+    [1/3, 5/18, 2/9, 1/6]); the draft lists its top-2 (ids 1 and 4, p = [.35, .3]), so p(0), p(2),
+    p(3) are unknown (true p: [.05, .35, .1, .05, .3, .05, .05, .05]). The proposal is token 4,
+    q̃(4) = 0: at λ = 1 always rejected. The residual r = max(0, q̃ - p) over S is [1/3 - .05,
+    0, 2/9 - .1, 1/6 - .05] = [.28333, 0, .12222, .11667] (sum .52222). The envelope is r on the
+    listed token 1 (0) and q̃ on the unlisted ones: [1/3, 0, 2/9, 1/6] (sum .72222), and since
+    every token of S with r > 0 is unlisted, every row asks the probe. So a draft that also lists
+    token 0 (p .05) makes the envelope [.28333, 0, 2/9, 1/6] (sum .67222) and the probe is asked
+    w.p. (2/9 + 1/6)/.67222 = .57851. 40,000 rows each: chi-square of the emitted tokens against
+    r, the probe's share within 4 sigma, every emitted token's log p exact."""
+    true_p = np.array([0.05, 0.35, 0.1, 0.05, 0.3, 0.05, 0.05, 0.05])
+    n = 40_000
+    guide_ids, guide_p = [4, 0, 1, 2, 3], [0.0, 0.3, 0.25, 0.2, 0.15]  # column 0: the proposal
+    gen = np.random.default_rng(7)
+    for listed, asked_share in (([4, 1, 4], 1.0), ([4, 1, 4, 0], (2 / 9 + 1 / 6) / 0.67222222)):
+        draft = listed_rows([listed] * n, [true_p[listed].tolist()] * n)
+        guide = listed_rows([guide_ids] * n, [guide_p] * n)
+        calls = []
+
+        def probe(rows, positions, tokens, calls=calls):
+            calls.append(len(rows))
+            assert (positions == 0).all()
+            return np.log(true_p[tokens])
+
+        u = torch.from_numpy(gen.random((n, 2)))
+        out = verify_listed(torch.ones(n, dtype=torch.long), draft, guide, 1.0, u, probe)
+        assert out.offpolicy[:, 0].all() and len(calls) == 1
+        y = out.tokens[:, 0]
+        residual = torch.tensor([0.28333333, 0, 0.12222222, 0.11666667, 0, 0, 0, 0], dtype=D)
+        assert (
+            chi2_counts_pvalue(torch.bincount(y, minlength=8).double(), residual / residual.sum())
+            > 1e-3
+        )
+        sigma = (asked_share * (1 - asked_share) / n) ** 0.5
+        assert calls[0] / n == pytest.approx(asked_share, abs=4 * sigma + 1e-12)
+        np.testing.assert_allclose(
+            out.draft_log_probs[:, 0].numpy(), np.log(true_p[y.numpy()]), rtol=0, atol=1e-6
+        )
 
 
 def test_verify_listed_with_partial_lists_emits_the_truncated_target():

@@ -250,34 +250,74 @@ def _residual_listed(
     Returns y, log p(y), log q̃(y), (R,) each."""
     candidates = guidance.ids[at, 1:]  # (R, K): S; only tokens with q̃ > 0 can have q̃ > p
     log_t_c = guidance.log_probs[at, 1:].astype(np.float64) - log_mass[:, None]
-    log_p_c = _draft_at(draft.take(at), candidates, probe, rows, positions)
-    residual = np.clip(np.exp(log_t_c) - np.exp(log_p_c), 0.0, None)
-    empty = residual.sum(-1, keepdims=True) <= 0  # only reachable through rounding: use q̃
-    residual = np.where(empty, np.exp(log_t_c), residual)
-    pick = _inverse_cdf(residual, uniforms)
+    rows_at = draft.take(at)
+    known = rows_at.knows(candidates)
+    log_p_c = rows_at.lookup(candidates)  # -inf where unknown
+    pick = np.zeros(len(at), dtype=np.int64)
+    exact = known.all(-1)  # the draft's row gives p on all of S: the residual by inverse CDF
+    pick[exact] = _inverse_cdf(_residual(log_t_c[exact], log_p_c[exact]), uniforms[exact])
+    bounded = np.flatnonzero(~exact)
+    if len(bounded):
+        if probe is None:
+            raise RuntimeError(
+                f"{len(bounded)} residual row(s) need the draft's p at guidance tokens its "
+                "top-K does not list, and no draft probe was given"
+            )
+        sub = log_p_c[bounded]  # filled where the probe is asked
+        pick[bounded] = _residual_bounded(candidates[bounded], log_t_c[bounded], sub, known[bounded],
+                                          uniforms[bounded],
+                                          lambda i, t: probe(rows[bounded[i]], positions[bounded[i]], t))  # fmt: skip
+        log_p_c[bounded] = sub
     r = np.arange(len(at))
     return candidates[r, pick], log_p_c[r, pick], log_t_c[r, pick]
 
 
-def _draft_at(
-    draft: ListedRows,
-    tokens: np.ndarray,
-    probe: DraftProbe | None,
-    rows: np.ndarray,
-    positions: np.ndarray,
+def _residual(log_t: np.ndarray, log_p: np.ndarray) -> np.ndarray:
+    """max(0, q̃ - p) per row (R, K), q̃ itself where that is all 0 (reachable only by rounding)."""
+    residual = np.clip(np.exp(log_t) - np.exp(log_p), 0.0, None)
+    empty = residual.sum(-1, keepdims=True) <= 0
+    return np.where(empty, np.exp(log_t), residual)
+
+
+def _residual_bounded(
+    candidates: np.ndarray,
+    log_t: np.ndarray,
+    log_p: np.ndarray,
+    known: np.ndarray,
+    uniforms: np.ndarray,
+    probe: Callable[[np.ndarray, np.ndarray], np.ndarray],
 ) -> np.ndarray:
-    """log p of `tokens` (R, M) at the draft rows `draft` (R, K+1): listed values, and for rows
-    that do not give them all, the whole row from `probe(rows, positions, tokens)`."""
-    found = draft.lookup(tokens)
-    unknown = ~draft.knows(tokens).all(-1)
-    if unknown.any():
-        if probe is None:
-            raise RuntimeError(
-                f"{int(unknown.sum())} residual row(s) need the draft's p at guidance tokens its "
-                "top-K does not list, and no draft probe was given"
-            )
-        found[unknown] = probe(rows[unknown], positions[unknown], tokens[unknown])
-    return found
+    """The residual draw y ∝ r = max(0, q̃ - p) over S at rows whose draft list misses some of S
+    (`known` False there), by rejection from the envelope e = r on the known tokens and q̃ on the
+    others (e >= r): y ~ e/Σe with u; a known y is kept (e = r there); an unknown y needs p(y)
+    (μ needs it anyway): the probe gives the row's whole S (one call for all such rows, filling
+    `log_p` in place) and y is kept if v < r(y)/q̃(y) = 1 - p(y)/q̃(y); a rejected row then draws
+    from r exactly by inverse CDF with w (after a rejection, a rejection sampler's output is a
+    fresh draw from r). The probe is asked only where the drawn token is unknown, not wherever
+    S holds one. v, w come from a Philox stream keyed by u's 53 bits: a row's draw depends on
+    its own uniform only. Shapes: candidates, log_t, log_p, known (R, K); uniforms (R,).
+    Returns the picks (R,).
+    Paper: https://arxiv.org/abs/2211.17192 (residual), von Neumann 1951 (rejection sampling)."""
+    envelope = np.where(known, _residual(log_t, np.where(known, log_p, NEG_INF)), np.exp(log_t))
+    pick = _inverse_cdf(envelope, uniforms)
+    ask = np.flatnonzero(~known[np.arange(len(pick)), pick])
+    if len(ask):
+        log_p[ask] = probe(ask, candidates[ask])
+        v, w = _more_uniforms(uniforms[ask], 2).T
+        at = pick[ask]
+        no = v >= 1.0 - np.exp(log_p[ask, at] - log_t[ask, at])  # 1 - p(y)/q̃(y)
+        rejected = ask[no]
+        pick[rejected] = _inverse_cdf(_residual(log_t[rejected], log_p[rejected]), w[no])
+    return pick
+
+
+def _more_uniforms(uniforms: np.ndarray, count: int) -> np.ndarray:
+    """(R, count) uniforms in [0, 1) from a Philox stream keyed by each of `uniforms` (R,)
+    (its 53 bits): independent of the uniform itself and of every other row's."""
+    keys = (np.asarray(uniforms, dtype=np.float64) * 2.0**53).astype(np.uint64)
+    return np.stack(
+        [np.random.Generator(np.random.Philox(key=int(key))).random(count) for key in keys]
+    )
 
 
 @dataclass
