@@ -298,8 +298,7 @@ def _residual_bounded(
     its own uniform only. Shapes: candidates, log_t, log_p, known (R, K); uniforms (R,).
     Returns the picks (R,).
     Paper: https://arxiv.org/abs/2211.17192 (residual), von Neumann 1951 (rejection sampling)."""
-    envelope = np.where(known, _residual(log_t, np.where(known, log_p, NEG_INF)), np.exp(log_t))
-    pick = _inverse_cdf(envelope, uniforms)
+    pick = _inverse_cdf(_residual(log_t, log_p), uniforms)  # e: r with p = 0 where unknown
     ask = np.flatnonzero(~known[np.arange(len(pick)), pick])
     if len(ask):
         log_p[ask] = probe(ask, candidates[ask])
