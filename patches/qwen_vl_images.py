@@ -61,7 +61,9 @@ def apply(processor_cls: type) -> bool:
 
     info = qwen2_5_vl.Qwen2_5_VLProcessingInfo
     _saved.update({name: info.__dict__.get(name) for name in ("get_hf_processor", "get_supported_mm_limits")})  # fmt: skip
-    info.get_hf_processor = lambda self, **kwargs: self.ctx.get_hf_processor(processor_cls, **kwargs)
+    info.get_hf_processor = lambda self, **kwargs: self.ctx.get_hf_processor(
+        processor_cls, **kwargs
+    )
     info.get_supported_mm_limits = lambda self: {"image": None}
     ModelRegistry.register_model(ARCHITECTURE, qwen2_5_vl.Qwen2_5_VLForConditionalGeneration)
     return True

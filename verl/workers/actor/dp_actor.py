@@ -32,6 +32,10 @@ from verl.utils import metric_names as M
 from verl.workers.actor.config import ActorConfig
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+VISION_KEY = "multi_modal_inputs"
+"""Non-tensor column of a vision-language batch (EasyR1's name): per row a dict of the prompt's
+`pixel_values` (N, D) and `image_grid_thw` (images, 3) from the model's processor ({} for a row
+without images)."""
 OPTIONAL_UPDATE_KEYS = (
     "behavior_log_probs",
     "importance_weights",
@@ -41,6 +45,20 @@ OPTIONAL_UPDATE_KEYS = (
 )
 DISTILL_KEYS = ("guidance_log_probs", "guidance_missing_mask")  # read when distill_coef > 0
 TOPK_KEYS = ("guidance_topk_ids", "guidance_topk_log_probs")  # with distill_topk_forward
+
+
+def _select(data: DataProto, keys) -> DataProto:
+    """The tensors `keys` of `data`, and its images (`VISION_KEY`) where it has them."""
+    vision = [VISION_KEY] if VISION_KEY in data.non_tensor_batch else []
+    return data.select(list(keys), non_tensor_batch_keys=vision)
+
+
+def _as_dict(micro: DataProto) -> dict:
+    """A micro-batch as the forward takes it: its tensors, and its images as a list of dicts."""
+    batch = dict(micro.batch.items())
+    if VISION_KEY in micro.non_tensor_batch:
+        batch[VISION_KEY] = list(micro.non_tensor_batch[VISION_KEY])
+    return batch
 
 
 def _world() -> tuple[int, int]:
@@ -210,7 +228,10 @@ class DataParallelPPOActor:
         if not self.config.padding_free:
             predicting = torch.zeros_like(attn, dtype=torch.bool)
             predicting[:, -resp_len - 1 : -1] = valid
-            return {"input_ids": ids, "attention_mask": attn, "position_ids": pos}, predicting
+            kwargs = {"input_ids": ids, "attention_mask": attn, "position_ids": pos}
+            if VISION_KEY in micro:
+                kwargs.update(self._vision_kwargs(micro, list(range(len(ids))), pos, attn.bool()))
+            return kwargs, predicting
         keep = attn.bool()
         lengths = keep.sum(-1).tolist()
         budget = self._packed_row_budget(lengths)
@@ -236,7 +257,47 @@ class DataParallelPPOActor:
         packed_pos[flat] = pos[keep]
         rows = place[:, -resp_len:][valid] - 1  # a token's logit sits one position left
         shape = (len(bins), width)
-        return {"input_ids": packed_ids.view(shape), "position_ids": packed_pos.view(shape)}, rows
+        kwargs = {"input_ids": packed_ids.view(shape), "position_ids": packed_pos.view(shape)}
+        if VISION_KEY in micro:
+            packed = torch.zeros(len(bins) * width, dtype=torch.bool, device=ids.device)
+            packed[flat] = True
+            order = [i for members in bins for i in members]  # the images' order in the rows
+            kwargs.update(
+                self._vision_kwargs(micro, order, packed_pos.view(shape), packed.view(shape), flat)
+            )
+        return kwargs, rows
+
+    def _vision_kwargs(self, micro: dict, order: list[int], text_pos: torch.Tensor, keep: torch.Tensor,
+                       flat: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+        """Qwen2.5-VL's inputs of a micro-batch with images: `pixel_values` and `image_grid_thw` of
+        its rows in `order` (the order their image pads meet in the model's (R, W) input), and
+        `position_ids` (4, R, W): row 0 the text positions `text_pos` (from which transformers
+        builds the block-causal or padded mask), rows 1-3 each sequence's multimodal rotary
+        positions (temporal, height, width) from the model's own `get_rope_index` over its valid
+        tokens, placed where `keep` is True (padded) or at the flat places `flat` (packed, in the
+        micro-batch's row-major order); elsewhere the text positions."""
+        items = micro[VISION_KEY]
+        ids, attn = micro["input_ids"], micro["attention_mask"].bool()
+        rope_index = self.actor_module.model.get_rope_index
+        image_token = self.actor_module.config.image_token_id
+        sections = []
+        for i in range(len(ids)):
+            tokens = ids[i][attn[i]][None]
+            grid = items[i].get("image_grid_thw")
+            positions, _ = rope_index(tokens, mm_token_type_ids=(tokens == image_token).long(),
+                                      image_grid_thw=grid if grid is not None and len(grid) else None)  # fmt: skip
+            sections.append(positions[:, 0])  # (3, valid tokens of row i)
+        mrope = text_pos.unsqueeze(0).repeat(3, *[1] * text_pos.dim())
+        if flat is None:
+            mrope[:, keep] = torch.cat(sections, dim=1).to(mrope.dtype)
+        else:
+            mrope.view(3, -1)[:, flat] = torch.cat(sections, dim=1).to(mrope.dtype)
+        images = [items[i] for i in order if len(items[i].get("image_grid_thw", ()))]
+        out = {"position_ids": torch.cat([text_pos.unsqueeze(0), mrope])}
+        if images:
+            out["pixel_values"] = torch.cat([x["pixel_values"] for x in images]).to(ids.device)
+            out["image_grid_thw"] = torch.cat([x["image_grid_thw"] for x in images]).to(ids.device)
+        return out
 
     def _response_logits(self, micro: dict[str, torch.Tensor]) -> torch.Tensor:
         """(M, V) logits predicting the M valid response tokens; nothing else leaves the model."""
@@ -263,7 +324,13 @@ class DataParallelPPOActor:
         labels = micro["responses"][micro["response_mask"].bool()]
         kwargs, pick = self._model_inputs(micro)
         with root_unsharded(self.actor_module):
-            hidden = self.actor_module.get_decoder()(**kwargs, use_cache=False).last_hidden_state
+            # with images the whole multimodal model (vision tower, then the decoder)
+            body = (
+                self.actor_module.model
+                if "pixel_values" in kwargs
+                else self.actor_module.get_decoder()
+            )
+            hidden = body(**kwargs, use_cache=False).last_hidden_state
             hidden = hidden.flatten(0, 1)[pick] if pick.dtype != torch.bool else hidden[pick]
             head = self.actor_module.get_output_embeddings()
             parts: dict[str, list[torch.Tensor]] = defaultdict(list)
@@ -323,9 +390,9 @@ class DataParallelPPOActor:
         self.actor_module.eval()
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         size = self.config.micro_batch_size_per_device_for_experience
-        micros, undo = self._micro_batches(data.select(list(MODEL_INPUTS)), size)
+        micros, undo = self._micro_batches(_select(data, MODEL_INPUTS), size)
         for micro in micros:
-            batch = dict(micro.batch.items())
+            batch = _as_dict(micro)
             out = self._forward_micro_batch(
                 batch, temperature, calculate_entropy, self.config.calculate_sum_pi_squared
             )
@@ -351,8 +418,7 @@ class DataParallelPPOActor:
         wanted = (*MODEL_INPUTS, "old_log_probs", "advantages", *OPTIONAL_UPDATE_KEYS)
         if self.config.distill_coef > 0:
             wanted += DISTILL_KEYS + (TOPK_KEYS if self.config.distill_topk_forward else ())
-        keys = [k for k in wanted if k in data.batch.keys()]
-        data = data.select(keys)
+        data = _select(data, [k for k in wanted if k in data.batch.keys()])
         _, world = _world()
         mini_size = max(self.config.global_batch_size // world, 1)
         metrics: dict[str, list[float]] = defaultdict(list)
@@ -379,7 +445,7 @@ class DataParallelPPOActor:
         for micro in self._micro_batches(mini, self.config.micro_batch_size_per_device_for_update)[
             0
         ]:
-            batch = dict(micro.batch.items())
+            batch = _as_dict(micro)
             stats = self._forward_micro_batch(batch, temperature, want_entropy, False)
             loss, pg_metrics = self.policy_loss_fn(
                 batch["old_log_probs"], stats["log_probs"], batch["advantages"], batch["response_mask"],

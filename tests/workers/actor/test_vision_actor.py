@@ -1,0 +1,143 @@
+"""The actor with images (a tiny Qwen2.5-VL): response log-probs, entropy and Σπ² equal a plain HF
+forward of each sequence with its own pixel values, image grid and `mm_token_type_ids`, padded and
+padding-free (one packed row or several, where the images must follow the packed order), through
+the chunked-head path too; and an update trains the language model and the vision tower."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from verl.protocol import DataProto
+from verl.workers.actor.config import ActorConfig
+from verl.workers.actor.dp_actor import VISION_KEY, DataParallelPPOActor
+
+T = 6
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """(HF model in float32, processor) of a tiny Qwen2.5-VL."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from verl.tasks.tiny_vlm import save_tiny_vlm
+    from verl.utils.vision import load_processor
+
+    path = save_tiny_vlm(str(tmp_path_factory.mktemp("vlm") / "model"))
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    return model, load_processor(path)
+
+
+@pytest.fixture(scope="module")
+def batch(vlm):
+    """Four rows as the rollout hands them over: expanded prompts (left-padded to P) with a wide
+    image, one image, none and two images, responses of 3, 6, 4 and 5 tokens (right-padded):
+    38, 40, 34 and 37 tokens in all."""
+    from verl.tasks.tiny_vlm import draw_shapes
+    from verl.utils.vision import encode_vision_prompt
+
+    _, processor = vlm
+    wide = draw_shapes(3, size=84, seed=2).crop((0, 0, 84, 28))
+    rows = [("Count.", [wide]), ("<image>How many?", [draw_shapes(2, seed=1)]), ("No picture.", []),
+            ("<image>+<image>", [draw_shapes(1, seed=3), draw_shapes(4, seed=4)])]  # fmt: skip
+    prompts = [encode_vision_prompt(processor, text, images, f"row {i}") for i, (text, images) in enumerate(rows)]  # fmt: skip
+    lengths = [3, 6, 4, 5]
+    P = max(len(p.input_ids) for p in prompts)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.zeros(len(rows), P + T, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    responses = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        ids[i, P - len(prompt.input_ids) : P] = torch.tensor(prompt.input_ids)
+        responses[i, :n] = torch.randint(4, 100, (n,), generator=gen)
+        attn[i, P - len(prompt.input_ids) : P + n] = 1
+    ids[:, P:] = responses
+    response_mask = attn[:, P:].clone()
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0) * attn
+    inputs = np.array([{"pixel_values": p.pixel_values, "image_grid_thw": p.image_grid_thw} if len(p.images) else {}
+                       for p in prompts], dtype=object)  # fmt: skip
+    data = DataProto.from_dict({"input_ids": ids, "attention_mask": attn, "position_ids": position_ids,
+                                "responses": responses, "response_mask": response_mask},
+                               non_tensors={VISION_KEY: inputs}, meta_info={"temperature": 0.7})  # fmt: skip
+    return data, prompts, lengths
+
+
+def reference(model, prompts, data, lengths, temperature=0.7) -> dict[str, torch.Tensor]:
+    """One plain HF forward per sequence (its expanded prompt and response, its own images)."""
+    from verl.utils.vision import mm_token_type_ids
+
+    out = {k: torch.zeros(len(prompts), T) for k in ("log_probs", "entropy", "sum_pi_squared")}
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        response = data.batch["responses"][i, :n]
+        ids = torch.cat([torch.tensor(prompt.input_ids), response])[None]
+        extra = (
+            {"pixel_values": prompt.pixel_values, "image_grid_thw": prompt.image_grid_thw}
+            if prompt.images
+            else {}
+        )
+        with torch.no_grad():
+            logits = model(input_ids=ids, mm_token_type_ids=mm_token_type_ids(ids, model.config.image_token_id),
+                           **extra).logits[0, -n - 1 : -1].double() / temperature  # fmt: skip
+        logp = torch.log_softmax(logits, -1)
+        out["log_probs"][i, :n] = logp.gather(-1, response[:, None])[:, 0].float()
+        out["entropy"][i, :n] = -(logp.exp() * logp).sum(-1).float()
+        out["sum_pi_squared"][i, :n] = (logp.exp() ** 2).sum(-1).float()
+    return out
+
+
+@pytest.mark.parametrize("setting", [dict(padding_free=False), dict(padding_free=True),
+                                     dict(padding_free=True, row_tokens=80),
+                                     dict(padding_free=True, sum_pi_squared_checkpointing=True)],
+                         ids=["padded", "one_row", "several_rows", "chunked_head"])  # fmt: skip
+def test_log_probs_with_images_equal_a_plain_hf_forward(vlm, batch, setting):
+    model, _ = vlm
+    data, prompts, lengths = batch
+    setting = dict(setting)
+    rows = setting.pop("row_tokens", None)
+    actor = DataParallelPPOActor(ActorConfig(micro_batch_size_per_device_for_experience=4,
+                                             calculate_sum_pi_squared=True, **setting), model.eval())  # fmt: skip
+    actor.packed_row_tokens = rows
+    if (
+        rows
+    ):  # two packed rows of at most 80 tokens: rows 1 and 2, then 0 and 3 (`balanced_partition`'s
+        # longest-first placement), so the images are not in the batch's order
+        from verl.workers.actor.dp_actor import _as_dict
+
+        kwargs, _ = actor._model_inputs(_as_dict(data))
+        assert kwargs["input_ids"].shape == (2, 75)
+        in_batch_order = torch.cat([p.image_grid_thw for p in prompts]).tolist()
+        assert sorted(kwargs["image_grid_thw"].tolist()) == sorted(in_batch_order)
+        assert kwargs["image_grid_thw"].tolist() != in_batch_order
+    got = actor.compute_log_prob(data, calculate_entropy=True).batch
+    want = reference(model, prompts, data, lengths)
+    mask = data.batch["response_mask"].bool()
+    for key, name in (("log_probs", "old_log_probs"), ("entropy", "entropy"), ("sum_pi_squared", "sum_pi_squared")):  # fmt: skip
+        assert torch.allclose(got[name][mask], want[key][mask], atol=2e-5), key
+        assert (got[name][~mask] == 0).all()
+
+
+def test_an_update_with_images_trains_the_language_model_and_the_vision_tower(vlm, batch):
+    """One padding-free PPO step on the batch (advantages +1 / -1 by row): the language model's
+    and the vision tower's weights both move (EasyR1's `freeze_vision_tower` off), the loss is
+    finite."""
+    import copy
+
+    model = copy.deepcopy(vlm[0]).train()
+    data, *_ = batch
+    actor = DataParallelPPOActor(ActorConfig(micro_batch_size_per_device_for_experience=4,
+                                             micro_batch_size_per_device_for_update=2, global_batch_size=4),
+                                 model, torch.optim.SGD(model.parameters(), lr=0.5))  # fmt: skip
+    old = actor.compute_log_prob(data).batch["old_log_probs"]
+    signs = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None]
+    step = data.union(
+        DataProto.from_dict(
+            {"old_log_probs": old, "advantages": signs * data.batch["response_mask"]}
+        )
+    )
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    metrics = actor.update_policy(step)
+    assert all(np.isfinite(v).all() for v in metrics.values())
+    moved = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+    assert any(name.startswith("model.visual.") for name in moved)
+    assert any(name.startswith("model.language_model.") for name in moved)
