@@ -4,6 +4,7 @@ missing or unreadable image, placeholders to chat parts, and the engine prompt's
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,3 +78,59 @@ def test_the_engine_prompt_takes_one_pad_per_image():
     ):
         check_engine_prompt([1, 9, 9, 9, 3], 1, 9, "row 1")
     assert mm_token_type_ids(torch.tensor([[1, 9, 9, 2]]), 9).tolist() == [[0, 1, 1, 0]]
+
+
+@pytest.fixture(scope="module")
+def vlm_folder(tmp_path_factory):
+    from verl.tasks.tiny_vlm import TinyVLMSpec, save_tiny_vlm
+
+    return save_tiny_vlm(
+        str(tmp_path_factory.mktemp("vlm") / "model"),
+        TinyVLMSpec(num_hidden_layers=1, vision_depth=1),
+    )
+
+
+def image_dataset(folder, data, **kwargs):
+    from transformers import AutoTokenizer
+
+    from verl.utils.dataset import ImageSettings, PromptEncoder, RLDataset
+
+    encoder = PromptEncoder(
+        AutoTokenizer.from_pretrained(folder), kwargs.pop("max_prompt_length", 64)
+    )
+    images = ImageSettings(folder, image_dir=str(data.parent), **kwargs)
+    return RLDataset(str(data), encoder, "prompt", "answer", key="data.train_files", images=images)
+
+
+def test_a_dataset_with_images_gives_the_engine_and_the_model_their_prompts(vlm_folder, tmp_path):
+    """Rows as EasyR1 writes them (write_count_data): the model's prompt is the engine's with the
+    image pad expanded to 4 (56 px: 2 x 2 merged patches), the counted length is the model's, and
+    collate gives the engine's ids, the images and the pixel inputs per row."""
+    from verl.tasks.tiny_vlm import write_count_data
+    from verl.utils.dataset import collate
+
+    data = image_dataset(vlm_folder, Path(write_count_data(str(tmp_path / "d"), 3)))
+    pad = data.images.processor.image_token_id
+    ids, _, prompt, row, vision = data[1]
+    assert prompt == "<image>How many squares?" and row == 1
+    assert ids == vision.raw_prompt_ids and ids.count(pad) == 1
+    assert vision.input_ids.count(pad) == 4 and len(vision.input_ids) == len(ids) + 3
+    batch = collate([data[i] for i in range(3)], 64, 0)
+    assert batch["attention_mask"].sum(-1).tolist() == [len(ids) + 3] * 3
+    assert [len(x) for x in batch["raw_prompt_ids"]] == [len(ids)] * 3
+    assert [len(m["image"]) for m in batch["multi_modal_data"]] == [1, 1, 1]
+    assert [tuple(m["pixel_values"].shape) for m in batch["multi_modal_inputs"]] == [(16, 1176)] * 3
+
+
+def test_a_missing_image_or_a_text_model_is_refused_before_anything_runs(vlm_folder, tmp_path):
+    from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
+    from verl.tasks.tiny_vlm import draw_shapes
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "<image>Hi", "images": ["gone.png"], "answer": "1"}\n')
+    with pytest.raises(FileNotFoundError, match=r"^data.train_files: '.*data.jsonl' row 0: image file '.*/gone.png' not found$"):  # fmt: skip
+        image_dataset(vlm_folder, data)
+    text = save_tiny_lm(str(tmp_path / "lm"), TinyLMSpec(hidden_size=64, num_hidden_layers=1))
+    draw_shapes(1).save(tmp_path / "gone.png")
+    with pytest.raises(ValueError, match=r"^data.image_key: the data has a 'images' column but .* has no image processor"):  # fmt: skip
+        image_dataset(text, data)

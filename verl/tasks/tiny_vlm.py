@@ -139,3 +139,23 @@ def draw_shapes(count: int, size: int = 56, seed: int = 0, color: str | None = N
     for x, y in rng.sample(cells, count):
         draw.rectangle([x + 1, y + 1, x + 6, y + 6], fill=color or rng.choice(COLORS))
     return image
+
+
+def write_count_data(folder: str, rows: int, seed: int = 0, max_count: int = 5) -> str:
+    """`rows` pictures of 1..`max_count` squares (PNG files) and `data.jsonl` beside them, one row
+    each as EasyR1 takes it: `prompt` "<image>How many squares?", `images` [file name, relative
+    to the folder: `data.image_dir`], `answer` the count. Returns the jsonl's path."""
+    rng = random.Random(seed)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "data.jsonl"), "w") as f:
+        for i in range(rows):
+            count = rng.randint(1, max_count)
+            name = f"count_{i}.png"
+            draw_shapes(count, seed=rng.randrange(2**31)).save(os.path.join(folder, name))
+            f.write(
+                json.dumps(
+                    {"prompt": "<image>How many squares?", "images": [name], "answer": str(count)}
+                )
+                + "\n"
+            )
+    return os.path.join(folder, "data.jsonl")

@@ -66,10 +66,27 @@ class DataConfig:
     """Data-order seed."""
     filter_overlong_prompts: bool = True
     """Drop prompts longer than max_prompt_length instead of refusing the run."""
+    image_key: str = "images"
+    """Column of each row's images (EasyR1's): paths, bytes or PIL images, one per `<image>` in the prompt (none in the data: text)."""
+    image_dir: str | None = None
+    """Folder that relative image paths are under (None: the working directory)."""
+    min_pixels: int | None = None
+    """Smallest image area after resizing, in pixels (None: the model processor's own)."""
+    max_pixels: int | None = None
+    """Largest image area after resizing, in pixels (None: the model processor's own)."""
 
     def validate(self, prefix: str) -> None:
         """Fail fast on bad values."""
         check_range(f"{prefix}.max_prompt_length", self.max_prompt_length, 1)
+        for key in ("min_pixels", "max_pixels"):
+            if getattr(self, key) is not None:
+                check_range(f"{prefix}.{key}", getattr(self, key), 28 * 28)
+        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
+            fail(
+                f"{prefix}.min_pixels",
+                self.min_pixels,
+                f"at most data.max_pixels = {self.max_pixels}",
+            )
         check_range(f"{prefix}.max_response_length", self.max_response_length, 1)
         check_range(f"{prefix}.rollout_batch_size", self.rollout_batch_size, 1)
         if self.val_batch_size != -1:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from verl.tasks.embedded import CACHE_DIR, TASKS, build_embedded, task_dir
 from verl.trainer.config import ConfigError, PPOConfig, load_config
-from verl.utils.dataset import PromptEncoder, RLDataset, resolve_data
+from verl.utils.dataset import ImageSettings, PromptEncoder, RLDataset, resolve_data
 from verl.utils.worker_logs import WORKER_LOG_ENV
 from verl.workers.reward.config import RewardConfig
 
@@ -240,6 +240,7 @@ def prepare(config: PPOConfig) -> Prepared:
     The checks that load nothing (`check_inputs`) come first, so a bad path fails at once."""
     from transformers import AutoTokenizer
 
+    from verl.utils.model_path import resolve_model_path
     from verl.workers.reward.function import FunctionRewardManager
 
     if config.trainer.nnodes > 1 and not os.environ.get("RAY_ADDRESS"):
@@ -257,12 +258,19 @@ def prepare(config: PPOConfig) -> Prepared:
     data = config.data
     encoder = PromptEncoder(tokenizer, data.max_prompt_length, data.apply_chat_template,
                             data.format_prompt, tool_instructions(config))  # fmt: skip
+    images = ImageSettings(resolve_model_path(actor_path, "worker.actor.model.model_path"), data.image_key,
+                           data.image_dir, data.min_pixels, data.max_pixels)  # fmt: skip
     train = RLDataset(data.train_files, encoder, data.prompt_key, data.answer_key,
-                      data.filter_overlong_prompts, key="data.train_files")  # fmt: skip
+                      data.filter_overlong_prompts, key="data.train_files", images=images)  # fmt: skip
     val = None
     if data.val_files:
         val = RLDataset(data.val_files, encoder, data.prompt_key, data.answer_key,
-                        data.filter_overlong_prompts, key="data.val_files")  # fmt: skip
+                        data.filter_overlong_prompts, key="data.val_files", images=images)  # fmt: skip
+    rollout = config.worker.rollout
+    if train.images is not None and (
+        rollout.offpolicy_guidance.enable or rollout.multi_turn.enable
+    ):
+        raise ConfigError(f"data.train_files: {data.train_files!r} has images ({data.image_key!r}), which run in the draft-only rollout alone so far; valid: worker.rollout.offpolicy_guidance.enable=false and worker.rollout.multi_turn.enable=false, or data without images")  # fmt: skip
     if len(train) < data.rollout_batch_size:
         raise ValueError(f"data.rollout_batch_size={data.rollout_batch_size} is larger than the "
                          f"{len(train)} usable training prompts of {data.train_files!r}; valid: "

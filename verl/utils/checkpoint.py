@@ -65,7 +65,8 @@ def is_complete(path: str) -> bool:
 
 def export_hf(model: nn.Module, path: str, tokenizer=None) -> None:
     """Write config + safetensors weights (+ tokenizer) loadable by transformers and vLLM (collective).
-    A LoRA actor writes its merged weights there, and its adapter alone in `lora_adapter/`."""
+    A LoRA actor writes its merged weights there, and its adapter alone in `lora_adapter/`. A
+    processor given as `tokenizer` writes its tokenizer and image processor (the hub's layout)."""
     from safetensors.torch import save_file
 
     state = full_state_dict(model)
@@ -87,7 +88,12 @@ def export_hf(model: nn.Module, path: str, tokenizer=None) -> None:
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(path)
     if tokenizer is not None:
-        tokenizer.save_pretrained(path)
+        for part in (
+            getattr(tokenizer, "tokenizer", tokenizer),
+            getattr(tokenizer, "image_processor", None),
+        ):
+            if part is not None:
+                part.save_pretrained(path)
 
 
 class FSDPCheckpointManager:

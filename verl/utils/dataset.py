@@ -11,10 +11,16 @@
 Each prompt is wrapped in the format-prompt template (a Jinja file with `{{ content }}`) when one
 is given, then in the tokenizer's chat template unless `data.apply_chat_template` is false, and
 left-padded to `max_prompt_length`; longer prompts are dropped and counted (or refused).
+
+Rows with images (a `data.image_key` column, `verl.utils.vision`): every image is read when the
+dataset is built (a missing or unreadable one is refused in one line naming the row and the
+file) and the prompt's length counted as the model sees it (one pad per merged patch); the pixels
+are computed when a row is drawn (`__getitem__`), so a large image set is never held at once.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable
@@ -152,29 +158,87 @@ class PromptEncoder:
             with open(self.format_prompt) as f:
                 self._template = jinja2.Template(f.read())
 
-    def text(self, prompt: str) -> str:
-        """The prompt as the model sees it (template and chat template applied)."""
-        if self._template is not None:
-            prompt = self._template.render(content=prompt)
+    def format(self, prompt: str) -> str:
+        """The prompt in the format-prompt template (as given without one)."""
+        return self._template.render(content=prompt) if self._template is not None else prompt
+
+    def text(self, prompt: str, num_images: int = 0, where: str = "prompt") -> str:
+        """The prompt as the model sees it (template and chat template applied); with images, each
+        `<image>` (or, without placeholders, each image before the text) as the chat template
+        renders an image part, one pad per image (without a chat template: Qwen's markers)."""
+        from verl.utils.vision import IMAGE_PLACEHOLDER, QWEN_IMAGE, image_messages
+
+        prompt = self.format(prompt)
         if self.apply_chat_template:
-            messages = [{"role": "user", "content": prompt}]
-            if self.system_prompt:
-                messages.insert(0, {"role": "system", "content": self.system_prompt})
+            if num_images:
+                messages = image_messages(prompt, num_images, where, self.system_prompt)
+            else:
+                messages = [{"role": "user", "content": prompt}]
+                if self.system_prompt:
+                    messages.insert(0, {"role": "system", "content": self.system_prompt})
             return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False
             )
+        if num_images:
+            image_messages(prompt, num_images, where)  # the placeholder count, checked
+            if IMAGE_PLACEHOLDER not in prompt:
+                prompt = IMAGE_PLACEHOLDER * num_images + prompt
+            return prompt.replace(IMAGE_PLACEHOLDER, QWEN_IMAGE)
         return prompt
 
-    def ids(self, prompt: str) -> list[int]:
-        """Token ids of the processed prompt (no padding)."""
-        return self.tokenizer(self.text(prompt), add_special_tokens=False)["input_ids"]
+    def ids(self, prompt: str, num_images: int = 0, where: str = "prompt") -> list[int]:
+        """Token ids of the processed prompt (no padding; one pad per image)."""
+        text = self.text(prompt, num_images, where)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@dataclass
+class ImageSettings:
+    """How a dataset's images are read: `data.image_key`, `image_dir`, `min_pixels`, `max_pixels`,
+    and the processor of the model in `model_path` (loaded when a dataset has images)."""
+
+    model_path: str
+    image_key: str = "images"
+    image_dir: str | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+
+    @functools.cached_property
+    def processor(self):
+        """The model's processor (`verl.utils.vision.load_processor`); a model without an image
+        processor is refused in one line."""
+        from verl.utils.vision import load_processor
+
+        if not os.path.isfile(os.path.join(self.model_path, "preprocessor_config.json")):
+            raise ValueError(f"data.image_key: the data has a {self.image_key!r} column but {self.model_path!r} has no image processor (preprocessor_config.json); valid: a vision-language model (Qwen2.5-VL family), or data without images")  # fmt: skip
+        return load_processor(self.model_path)
+
+    def images(self, row: dict, where: str) -> list:
+        """The row's images as RGB PIL images, each resized (aspect kept) into the pixel budget."""
+        from verl.utils.vision import fit_pixels, load_image
+
+        value = row.get(self.image_key)
+        values = [] if value is None else value if isinstance(value, list | tuple) else [value]
+        return [fit_pixels(load_image(v, where, self.image_dir), self.min_pixels, self.max_pixels)
+                for v in values]  # fmt: skip
+
+    def model_length(self, ids: list[int], images: list) -> int:
+        """Tokens of the prompt as the model sees it: each image pad becomes one per merged patch."""
+        if not images:
+            return len(ids)
+        processor = self.processor.image_processor
+        merge = processor.merge_size**2
+        patches = [processor.get_number_of_image_patches(im.height, im.width, {}) for im in images]
+        return len(ids) - len(images) + sum(n // merge for n in patches)
 
 
 class RLDataset(torch.utils.data.Dataset):
-    """Tokenised prompts with their ground truth; overlong prompts filtered and counted."""
+    """Tokenised prompts with their ground truth; overlong prompts filtered and counted. With
+    `images` (and rows that have the image column) an item also carries the row's images."""
 
     def __init__(self, spec: str, encoder: PromptEncoder, prompt_key: str, answer_key: str,
-                 filter_overlong: bool = True, key: str = "data") -> None:  # fmt: skip
+                 filter_overlong: bool = True, key: str = "data",
+                 images: ImageSettings | None = None) -> None:  # fmt: skip
         rows = load_rows(spec, key)
         if not rows:
             raise ValueError(f"{key}: {spec!r} has no rows")
@@ -183,13 +247,20 @@ class RLDataset(torch.utils.data.Dataset):
                 raise KeyError(
                     f"{key}: {spec!r} has no column {column!r}; columns: {', '.join(rows[0])}"
                 )
+        self.images = images if images is not None and images.image_key in rows[0] else None
+        self.rows = rows if self.images else None
+        if self.images:
+            self.images.processor  # noqa: B018 (loaded now: a model without one is refused first)
         self.encoder, self.items, self.num_filtered = encoder, [], 0
         for index, row in enumerate(rows):
-            ids = encoder.ids(str(row[prompt_key]))
-            if len(ids) > encoder.max_prompt_length:
+            where = f"{key}: {spec!r} row {index}"
+            pictures = self.images.images(row, where) if self.images else []
+            ids = encoder.ids(str(row[prompt_key]), len(pictures), where)
+            length = self.images.model_length(ids, pictures) if pictures else len(ids)
+            if length > encoder.max_prompt_length:
                 if not filter_overlong:
                     raise ValueError(
-                        f"{key}: {spec!r} row {index}: prompt of {len(ids)} tokens > data.max_prompt_length="
+                        f"{where}: prompt of {length} tokens > data.max_prompt_length="
                         f"{encoder.max_prompt_length} (set data.filter_overlong_prompts=true to drop such rows)"
                     )
                 self.num_filtered += 1
@@ -202,25 +273,59 @@ class RLDataset(torch.utils.data.Dataset):
         return len(self.items)
 
     def __getitem__(self, index: int):
-        return self.items[index]
+        """(prompt ids, answer, raw prompt, row index), and with images the row's `VisionPrompt`
+        (prompt ids then one image pad per image, the engine's)."""
+        if self.images is None:
+            return self.items[index]
+        from verl.utils.vision import vision_inputs
+
+        ids, answer, prompt, row = self.items[index]
+        where = f"row {row}"
+        pictures = self.images.images(self.rows[row], where)
+        text = self.encoder.text(prompt, len(pictures), where)
+        return ids, answer, prompt, row, vision_inputs(self.images.processor, text, pictures, where)
 
 
 def collate(items, max_prompt_length: int, pad_token_id: int) -> dict:
     """Left-pad a list of dataset items into one dict of (B, P) tensors (input_ids,
     attention_mask, position_ids) and (B,) arrays (ground_truth, raw_prompt, index): the trainer
-    makes it a DataProto (`DataProto.from_single_dict`)."""
+    makes it a DataProto (`DataProto.from_single_dict`). Items with images (`RLDataset` with
+    `ImageSettings`) pad the model's prompt (one pad per merged patch) and add, per row, the
+    engine's prompt (`raw_prompt_ids`), its images (`multi_modal_data`, {"image": [...]} or
+    None) and the model's image inputs (`multi_modal_inputs`, EasyR1's names)."""
+    vision = [it[4] if len(it) > 4 else None for it in items]
+    prompts = [v.input_ids if v is not None else it[0] for it, v in zip(items, vision)]
     ids = torch.full((len(items), max_prompt_length), pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(items), max_prompt_length, dtype=torch.long)
-    for i, (tokens, *_) in enumerate(items):
+    for i, tokens in enumerate(prompts):
         ids[i, max_prompt_length - len(tokens) :] = torch.tensor(tokens)
         mask[i, max_prompt_length - len(tokens) :] = 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0) * mask
-    return {
+    out = {
         "input_ids": ids, "attention_mask": mask, "position_ids": position_ids,
         "ground_truth": np.array([it[1] for it in items], dtype=object),
         "raw_prompt": np.array([it[2] for it in items], dtype=object),
         "index": np.array([it[3] for it in items], dtype=np.int64),
     }  # fmt: skip
+    if any(v is not None for v in vision):
+        out["raw_prompt_ids"] = _objects(
+            [v.raw_prompt_ids if v else it[0] for it, v in zip(items, vision)]
+        )
+        out["multi_modal_data"] = _objects(
+            [{"image": v.images} if v and v.images else None for v in vision]
+        )
+        out["multi_modal_inputs"] = _objects(
+            [{"pixel_values": v.pixel_values, "image_grid_thw": v.image_grid_thw} if v and v.images else {}
+             for v in vision])  # fmt: skip
+    return out
+
+
+def _objects(values: list) -> np.ndarray:
+    """A (B,) object array of `values` (np.array would stack equal-length lists into 2-D)."""
+    array = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        array[i] = value
+    return array
 
 
 def build_dataloader(

@@ -117,14 +117,12 @@ def load_hf_model(
     attn_implementation: str = "auto",
     trust_remote_code: bool = False,
 ):
-    """`AutoModelForCausalLM.from_pretrained` from a local folder or a hub id
-    (`verl.utils.model_path.resolve_model_path`), with a one-line error when neither."""
-    from transformers import AutoModelForCausalLM
-
-    from verl.utils.model_path import resolve_model_path
+    """`from_pretrained` of the model's auto class (`auto_model_class`) from a local folder or a
+    hub id (`verl.utils.model_path.resolve_model_path`), with a one-line error when neither."""
+    from verl.utils.model_path import auto_model_class, resolve_model_path
 
     model_path = resolve_model_path(model_path, "model path")
-    return AutoModelForCausalLM.from_pretrained(
+    return auto_model_class(model_path).from_pretrained(
         model_path,
         dtype=dtype,
         attn_implementation=resolve_attn_implementation(attn_implementation),
@@ -163,11 +161,21 @@ def apply_fsdp2(
         )
     kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp is not None else {})
     base = model.get_base_model() if is_lora(model) else model  # LoRA: PEFT's wrap
-    layers = getattr(getattr(base, "model", None), "layers", None)
-    for layer in layers if layers is not None else []:
+    for layer in shard_units(base):
         fully_shard(layer, reshard_after_forward=full_shard, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks sharded one by one: a causal LM's decoder layers (`model.layers`); a
+    vision-language model's (`model.language_model.layers`) and its vision tower's blocks
+    (`model.visual.blocks`, Qwen2.5-VL)."""
+    inner = getattr(model, "model", None)
+    units = list(getattr(inner, "layers", None) or [])
+    units += list(getattr(getattr(inner, "language_model", None), "layers", None) or [])
+    units += list(getattr(getattr(inner, "visual", None), "blocks", None) or [])
+    return units
 
 
 def reshard_all(model: nn.Module) -> None:

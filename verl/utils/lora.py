@@ -260,11 +260,13 @@ def check_lora_targets(lora, model_path: str, key: str = "worker.actor.model.lor
     synced exactly: a target that names no Linear of the model (the model built on the meta
     device from its config), a rank above a target's smaller side, or a target that is the LM
     head tied to the embeddings (the engine would get one merged matrix for both)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from verl.utils.model_path import auto_model_class
 
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_model_class(config).from_config(config)
     linear = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     head = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
     targets = target_list(lora.target_modules)

@@ -171,3 +171,19 @@ def add_to_hub_cache(folder: str, repo_id: str, revision: str = "main",
     with open(os.path.join(repo, "refs", revision), "w") as f:
         f.write(commit)
     return snapshot
+
+
+def auto_model_class(config_or_path):
+    """transformers' auto class for a model config (or a folder): `AutoModelForCausalLM`, or
+    `AutoModelForImageTextToText` for a vision-language model (Qwen2.5-VL), which the former
+    does not map."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = (
+        AutoConfig.from_pretrained(config_or_path)
+        if isinstance(config_or_path, str)
+        else config_or_path
+    )
+    if type(config) not in AutoModelForCausalLM._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:  # fmt: skip
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM

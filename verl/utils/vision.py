@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 
 IMAGE_PLACEHOLDER = "<image>"
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+"""An image in a Qwen2.5-VL prompt before the processor expands it (one pad per image)."""
 
 
 IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
@@ -91,6 +93,16 @@ def load_processor(path: str):
     """The Qwen2.5-VL processor saved in `path` (tokenizer, image processor, chat template), of
     `processor_class()`."""
     return processor_class().from_pretrained(path)
+
+
+def load_tokenizer_or_processor(path: str):
+    """The processor of a vision-language model folder (one with `preprocessor_config.json`),
+    else its tokenizer."""
+    if os.path.isfile(os.path.join(path, "preprocessor_config.json")):
+        return load_processor(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def load_image(value, where: str, image_dir: str | None = None):
@@ -170,10 +182,16 @@ class VisionPrompt:
 
 def encode_vision_prompt(processor, prompt: str, images: list, where: str,
                          system_prompt: str | None = None) -> VisionPrompt:  # fmt: skip
-    """Render `prompt` with its images through the processor's chat template and preprocess the
-    images with the processor's image processor (its own `min_pixels`/`max_pixels`)."""
+    """Render `prompt` with its images through the processor's chat template, then `vision_inputs`."""
     messages = image_messages(prompt, len(images), where, system_prompt)
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return vision_inputs(processor, text, images, where)
+
+
+def vision_inputs(processor, text: str, images: list, where: str) -> VisionPrompt:
+    """A rendered prompt (one image pad per image) and its images: the engine's tokens, and the
+    model's tokens, pixel values and image grid from the processor (its image processor with its
+    own resizing budget)."""
     encoded = processor(text=[text], images=images or None, return_tensors="pt")
     raw = processor.tokenizer(text, add_special_tokens=False)["input_ids"]  # one pad per image
     check_engine_prompt(raw, len(images), processor.image_token_id, where)
@@ -181,6 +199,24 @@ def encode_vision_prompt(processor, prompt: str, images: list, where: str,
     return VisionPrompt(raw_prompt_ids=raw, input_ids=encoded["input_ids"][0].tolist(), images=images,
                         pixel_values=encoded.get("pixel_values", torch.zeros(0, 0)),
                         image_grid_thw=encoded.get("image_grid_thw", empty))  # fmt: skip
+
+
+def fit_pixels(image, min_pixels: int | None, max_pixels: int | None):
+    """`image` resized (aspect kept, bicubic) so that its area is within [min_pixels, max_pixels]
+    (None: no bound), as EasyR1 does before the processor: the engine and the actor then get the
+    same picture whatever the processor's own budget."""
+    area = image.width * image.height
+    scale = 1.0
+    if max_pixels is not None and area > max_pixels:
+        scale = (max_pixels / area) ** 0.5
+    elif min_pixels is not None and area < min_pixels:
+        scale = (min_pixels / area) ** 0.5
+    if scale == 1.0:
+        return image
+    from PIL import Image
+
+    size = (max(1, int(image.width * scale)), max(1, int(image.height * scale)))
+    return image.resize(size, Image.Resampling.BICUBIC)
 
 
 def check_engine_prompt(ids: list[int], num_images: int, pad_id: int, where: str) -> None:

@@ -129,10 +129,11 @@ class FSDPWorker:
         """Load the HF model(s), shard with FSDP2, build optimizer + LR scheduler for the actor;
         then offload what `offload` asks for (`Offloader`). Returns the notices for the driver to
         print once (rank 0 only: offload keys set on a CPU worker, which have no effect)."""
-        from transformers import AutoTokenizer
+        from verl.utils.vision import load_tokenizer_or_processor
 
         model_cfg = self.config.actor.model
-        self.tokenizer = AutoTokenizer.from_pretrained(
+        # what an export writes beside the weights (a vision-language model's image processor too)
+        self.tokenizer = load_tokenizer_or_processor(
             model_cfg.tokenizer_path or model_cfg.model_path
         )
         if self.role in ("actor", "actor_ref"):

@@ -125,3 +125,50 @@ def test_first_tokens_after_an_image_follow_the_model(vlm):
         observed = torch.cat([observed, counts[~big].sum()[None]])
         wanted = torch.cat([wanted, expected[~big].sum()[None]])
     assert chisquare(observed.numpy(), wanted.numpy() * samples / wanted.sum().item()).pvalue > 1e-3
+
+
+def test_a_weight_sync_reaches_the_vision_tower(vlm):
+    """The actor's state dict (transformers' in-memory names: `model.visual.*`,
+    `model.language_model.*`) loaded into the live engine (`reload_weights`, as every sync does)
+    after every vision and language weight moved: the engine's log-probs equal the moved HF
+    model's again (1e-4), and differ from the old ones (the sync did something). The same image
+    was embedded before the sync: the engine's cached image embeddings must not be reused (vLLM
+    also raises "Encoder cache miss" when they are not dropped)."""
+    import copy
+
+    from vllm import SamplingParams
+
+    from verl.workers.rollout.vllm_engine import reload_weights
+
+    _, processor, hf, llm = vlm
+    prompt = prompts(processor)[0]
+    params = SamplingParams(max_tokens=6, temperature=1.0, logprobs=0, seed=5, ignore_eos=True)
+    moved = copy.deepcopy(hf)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    try:
+        reload_weights(llm, moved.state_dict())
+        sample = llm.generate([engine_input(prompt)], params, use_tqdm=False)[0].outputs[0]
+        tokens = list(sample.token_ids)
+        engine = torch.tensor([lp[t].logprob for lp, t in zip(sample.logprobs, tokens)])
+        picked = torch.tensor(tokens)[:, None]
+        assert torch.allclose(
+            engine, hf_rows(moved, prompt, tokens)[:-1].gather(-1, picked)[:, 0], atol=1e-4
+        )
+        assert not torch.allclose(
+            engine, hf_rows(hf, prompt, tokens)[:-1].gather(-1, picked)[:, 0], atol=1e-3
+        )
+        visual_only = {
+            k: v for k, v in hf.state_dict().items() if not k.startswith("model.visual.")
+        }
+        reload_weights(
+            llm, {**moved.state_dict(), **visual_only}
+        )  # the old language model, moved vision
+        mixed = llm.generate([engine_input(prompt)], params, use_tqdm=False)[0].outputs[0]
+        again = torch.tensor([lp[t].logprob for lp, t in zip(mixed.logprobs, mixed.token_ids)])
+        expect = hf_rows(hf, prompt, list(mixed.token_ids))[:-1].gather(-1, torch.tensor(mixed.token_ids)[:, None])[:, 0]  # fmt: skip
+        assert not torch.allclose(again, expect, atol=1e-3)  # the moved vision tower shows
+    finally:
+        reload_weights(llm, hf.state_dict())

@@ -75,10 +75,10 @@ def engine_args(model_path: str, config: RolloutConfig) -> tuple[dict, dict | No
     from transformers import AutoConfig
 
     guidance = config.offpolicy_guidance
-    draft_rows = AutoConfig.from_pretrained(model_path).vocab_size
+    draft_rows = AutoConfig.from_pretrained(model_path).get_text_config().vocab_size
     guide_rows = draft_rows
     if guidance.enable:
-        guide_rows = AutoConfig.from_pretrained(guidance.model_path).vocab_size
+        guide_rows = AutoConfig.from_pretrained(guidance.model_path).get_text_config().vocab_size
     vocab = min(draft_rows, guide_rows)  # the ids both engines embed
     max_len = config.prompt_length + config.response_length + 1  # scoring needs one output slot
     # speculative guidance runs rewindable sessions (patches/vllm_session_rewind.py), which keep

@@ -48,6 +48,16 @@ class Job:
     """The step's λ (0.0 without guidance)."""
     meta: dict
     """The batch's meta_info (e.g. `entropy_threshold`)."""
+    images: list[dict | None] | None = None
+    """Per sequence the engine's `multi_modal_data` ({"image": [...]}; None: text), or None for a
+    text batch; `prompts` then hold one image pad per image (draft-only mode only)."""
+
+
+def engine_prompts(prompts: list[list[int]], images: list[dict | None] | None) -> list[dict]:
+    """vLLM's inputs of `prompts` (token ids), with each one's images where it has them."""
+    if images is None:
+        return [{"prompt_token_ids": p} for p in prompts]
+    return [{"prompt_token_ids": p, **({"multi_modal_data": m} if m else {})} for p, m in zip(prompts, images)]  # fmt: skip
 
 
 @dataclass
@@ -116,12 +126,12 @@ def whole_response(
 
 
 def draft_responses(
-    ctx: RolloutContext, prompts: list[list[int]], seeds: np.ndarray
+    ctx: RolloutContext, prompts: list[list[int]], seeds: np.ndarray, images: list | None = None
 ) -> list[GuidedSequence]:
     """Whole responses from the draft engine, one seed per prompt (`whole_response`)."""
     params = [ctx.draft_params(ctx.max_tokens, 1, int(s)) for s in seeds]
     outputs = ctx.engines.draft.generate(
-        [{"prompt_token_ids": p} for p in prompts],
+        engine_prompts(prompts, images),
         params,
         use_tqdm=not ctx.config.disable_tqdm,
     )
@@ -131,7 +141,7 @@ def draft_responses(
 @GENERATION_MODES.register("draft_only")
 def draft_only(ctx: RolloutContext, job: Job) -> Generated:
     """Whole responses from the draft engine, one seed per sequence."""
-    return Generated(draft_responses(ctx, job.prompts, job.seeds[:, 0]))
+    return Generated(draft_responses(ctx, job.prompts, job.seeds[:, 0], job.images))
 
 
 @GENERATION_MODES.register("mix")

@@ -82,13 +82,15 @@ def eager_sampler_ranks() -> None:
 def weight_bytes(model: str, dtype: str) -> int:
     """Bytes of a model's parameters in `dtype` ("auto": the checkpoint's), counted on the meta
     device from its config (nothing is loaded; tied weights count once)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from verl.utils.model_path import auto_model_class
 
     config = AutoConfig.from_pretrained(model)
     if dtype == "auto":
         dtype = str(getattr(config, "torch_dtype", None) or "float32").removeprefix("torch.")
     with torch.device("meta"):
-        module = AutoModelForCausalLM.from_config(config)
+        module = auto_model_class(config).from_config(config)
     count = sum(p.numel() for p in module.parameters())
     return count * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
@@ -140,7 +142,7 @@ def memory_args(kwargs: dict, memory_key: str) -> dict:
 
     total = torch.cuda.mem_get_info()[1]
     weights = weight_bytes(kwargs["model"], kwargs.get("dtype", "auto"))
-    vocab = AutoConfig.from_pretrained(kwargs["model"]).vocab_size
+    vocab = AutoConfig.from_pretrained(kwargs["model"]).get_text_config().vocab_size
     reserve = reserve_bytes(vocab, kwargs.get("max_num_seqs") or 1024)
     budget = kv_cache_bytes(share, total, weights, reserve, memory_key)
     print(f"KV cache budget of {kwargs['model']}: {budget / GiB:.2f} GiB = {memory_key} {share} x "
@@ -255,7 +257,10 @@ def reload_weights(
 ) -> None:
     """Load new weights into an in-process engine's live model, in place: a state dict or a
     stream of (name, tensor) pairs consumed once, in order (vLLM's model runner `reload_weights`,
-    tensor_parallel_size=1), then drop the prefix cache computed with the old weights. `partial`:
+    tensor_parallel_size=1), then drop the prefix cache and the encoder cache (a vision-language
+    model's image embeddings, kept per image: the next step would reuse those the old vision
+    tower computed, and vLLM's scheduler and runner disagree about them after a reload) computed
+    with the old weights. `partial`:
     some layers are not sent (a LoRA sync); vLLM keeps them and its lines saying so are dropped.
     A layer must be sent whole (verl/utils/lora.py, `sync_sources`)."""
     runner = vllm_session_rewind.live_runner(llm)
@@ -264,6 +269,7 @@ def reload_weights(
             weights_iterator=iter(weights.items() if isinstance(weights, dict) else weights)
         )
     llm.reset_prefix_cache()
+    llm.llm_engine.reset_encoder_cache()
 
 
 def is_sleeping(llm) -> bool:

@@ -17,6 +17,11 @@ HARMLESS = {
         "every weight sync warns that RotaryEmbedding 'failed to load weights': the actor's "
         "state dict has no rotary buffers (not trained) and vLLM keeps its own, which is right"
     ),
+    ("vllm.model_executor.model_loader.reload.layerwise", "FusedMMInputNorm"): (
+        "a vision-language model's weight sync warns that FusedMMInputNorm 'failed to load "
+        "weights': it holds the image processor's mean and std (no checkpoint tensor, not "
+        "trained), which vLLM keeps, which is right"
+    ),
 }
 
 

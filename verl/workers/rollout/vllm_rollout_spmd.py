@@ -110,7 +110,10 @@ class VLLMRollout(EngineLifecycle):
         mode, lam = pick_mode(self.config.offpolicy_guidance, meta, n)
         if self.config.multi_turn.enable:  # the mode's multi-turn form (mix: refused by the config)
             mode = MULTI_TURN_MODES[mode]
-        result = GENERATION_MODES.get(mode)(ctx, Job(repeated, n, seeds, lam, meta))
+        job = Job(repeated, n, seeds, lam, meta)
+        if "multi_modal_data" in prompts.non_tensor_batch:  # the engine's prompts: a pad per image
+            job.prompts, job.images = image_job(prompts.non_tensor_batch, n, mode)
+        result = GENERATION_MODES.get(mode)(ctx, job)
         if result.packed is not None:
             out = multi_turn_dataproto(self.config.offpolicy_guidance, self.config.prompt_length,
                                        self.pad_token_id, repeated, result.packed, lam, result.guided)  # fmt: skip
@@ -123,6 +126,15 @@ class VLLMRollout(EngineLifecycle):
         }
         out.meta_info.update(ctx.counters.meta(result.stats, out, lam, result.seqs))
         return out
+
+
+def image_job(rows: dict, n: int, mode: str) -> tuple[list[list[int]], list]:
+    """The engine's prompts (one image pad per image, `raw_prompt_ids`) and images of a batch with
+    images, each repeated n times; images run in draft-only mode alone so far."""
+    if mode != "draft_only":
+        raise ValueError(f"a batch with images needs the draft-only rollout; this one runs {mode!r} (worker.rollout.offpolicy_guidance.enable and multi_turn.enable with images are not supported yet)")  # fmt: skip
+    ids = [list(map(int, p)) for p in rows["raw_prompt_ids"] for _ in range(n)]
+    return ids, [m for m in rows["multi_modal_data"] for _ in range(n)]
 
 
 def sequence_seeds(step_seed: int, first_row: int, rows: int, n: int, stage: int = 0) -> np.ndarray:
