@@ -24,15 +24,20 @@ def test_without_the_patch_vllm_cannot_import_qwen2_vl():
     assert "No module named 'torchvision'" in run.stderr
 
 
-@pytest.mark.skipif(qwen_vl_images.torchvision_available(), reason="torchvision imports: unpatched")
 def test_the_image_only_processor_loads_a_folder_and_vllm_is_given_it(tmp_path):
     """`verl.utils.vision.processor_class()` loads the tiny VLM's folder without torchvision:
     the PIL image processor, an expanded prompt of 4 pads for a 56-pixel image (2 x 2 merged
     patches of 28 px); a video is refused in one line. `apply` hands vLLM's Qwen2.5-VL that
-    class and images only; `remove()` restores vLLM's methods."""
+    class and images only; `remove()` restores vLLM's methods. Where torchvision imports, the
+    class is transformers' own."""
     from verl.tasks.tiny_vlm import draw_shapes, save_tiny_vlm
     from verl.utils.vision import encode_vision_prompt, load_processor, processor_class
 
+    if qwen_vl_images.torchvision_available():
+        from transformers import Qwen2_5_VLProcessor
+
+        assert processor_class() is Qwen2_5_VLProcessor
+        return
     processor = load_processor(save_tiny_vlm(str(tmp_path / "vlm")))
     assert type(processor) is processor_class()
     assert type(processor).__name__ == "ImageOnlyQwen2_5_VLProcessor"
