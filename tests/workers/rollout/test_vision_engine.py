@@ -45,10 +45,11 @@ def prompts(processor):
     return [encode_vision_prompt(processor, text, images, f"row {i}") for i, (text, images) in enumerate(rows)]  # fmt: skip
 
 
-def hf_rows(hf, prompt, tokens: list[int]) -> torch.Tensor:
+def hf_rows(hf, prompt, tokens: list[int], start: int | None = None) -> torch.Tensor:
     """(len(tokens) + 1, V) log-softmax rows of one HF forward over the prompt (expanded, with its
     pixel values, image grid and `mm_token_type_ids`) and `tokens`: row i is the distribution of
-    token i given the prompt and tokens[:i]."""
+    token i given the prompt and tokens[:i]. `start`: the rows from that position instead (row
+    t - start scores position t + 1)."""
     from verl.utils.vision import mm_token_type_ids
 
     ids = torch.tensor([prompt.input_ids + tokens])
@@ -56,7 +57,8 @@ def hf_rows(hf, prompt, tokens: list[int]) -> torch.Tensor:
         logits = hf(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=prompt.pixel_values,
                     image_grid_thw=prompt.image_grid_thw,
                     mm_token_type_ids=mm_token_type_ids(ids, hf.config.image_token_id)).logits[0]  # fmt: skip
-    return torch.log_softmax(logits[len(prompt.input_ids) - 1 :].float(), -1)
+    first = len(prompt.input_ids) - 1 if start is None else start
+    return torch.log_softmax(logits[first:].float(), -1)
 
 
 def engine_input(prompt) -> dict:
@@ -172,3 +174,42 @@ def test_a_weight_sync_reaches_the_vision_tower(vlm):
         assert not torch.allclose(again, expect, atol=1e-3)  # the moved vision tower shows
     finally:
         reload_weights(llm, hf.state_dict())
+
+
+def test_a_session_opened_with_images_rewinds_and_scores_exactly(vlm):
+    """Speculative guidance's sessions with an image (`SessionEngine.add(..., images=)`): the
+    first chunk holds one pad per image and vLLM runs the processor's expanded prompt
+    (`prompt_ids`); its sampled tokens' and prompt rows' log-probs equal HF's (1e-4); a rewind
+    given the expanded sequence with the last sampled tokens replaced keeps the image and scores
+    the new token and samples after it exactly."""
+    from verl.workers.rollout.vllm_sessions import SessionEngine, scoring_params
+
+    _, processor, hf, llm = vlm
+    prompt = prompts(processor)[0]
+    engine = SessionEngine(llm)
+    params = scoring_params(4, 5, {"temperature": 1.0})
+    out = engine.run([("img", prompt.raw_prompt_ids, 4, None)], lambda *_: params,
+                     images={"img": {"image": prompt.images}})["img"]  # fmt: skip
+    try:
+        assert engine.prompt_ids("img") == prompt.input_ids  # vLLM expands as the processor does
+        tokens = list(out.token_ids)
+        rows = hf_rows(hf, prompt, tokens)
+        ids, values = out.listed()
+        assert (ids[:, 0] == tokens).all()
+        assert torch.allclose(
+            torch.tensor(values[:, 0]), rows[torch.arange(4), torch.tensor(tokens)], atol=1e-4
+        )
+        P = len(prompt.input_ids)
+        whole = hf_rows(hf, prompt, [], start=0)  # row t scores prompt token t + 1
+        expected = whole[torch.arange(P - 1), torch.tensor(prompt.input_ids[1:])]
+        assert torch.allclose(out.prompt_logprobs.logprobs[: P - 1, 0], expected, atol=1e-4)
+        replaced = (tokens[1] + 1) % 100  # recomputed from position P: row P scores it
+        again = engine.run(
+            [("img", [*prompt.input_ids, tokens[0], replaced], 2, P)], lambda *_: params
+        )["img"]
+        rows = hf_rows(hf, prompt, [tokens[0], replaced, *again.token_ids])
+        assert abs(again.prompt_logprobs.logprobs[P, 0].item() - rows[1, replaced].item()) < 1e-4
+        _, values = again.listed()
+        assert torch.allclose(torch.tensor(values[:, 0]), rows[2 + torch.arange(2), torch.tensor(again.token_ids)], atol=1e-4)  # fmt: skip
+    finally:
+        engine.close()

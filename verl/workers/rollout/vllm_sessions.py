@@ -73,6 +73,9 @@ class SessionEngine:
         self._open: dict[str, object] = {}  # session id -> its first chunk's processed params
         self._running: dict[str, ChunkOutput] = {}  # session id -> its running chunk's output
         self._params: dict[tuple[str, int], object] = {}  # (session, max_tokens) -> params
+        self._prompts: dict[
+            str, list[int]
+        ] = {}  # session id -> its first chunk as the engine runs it
         self._scheduler = core.scheduler
         self._idle = 0  # engine steps in a row without output
         self.tokens_computed = 0
@@ -103,14 +106,15 @@ class SessionEngine:
         self,
         chunks: list[tuple[str, list[int], int, int | None]],
         new_params: Callable[[str, int], object],
+        images: dict[str, dict] | None = None,
     ) -> dict[str, ChunkOutput]:
         """Run one chunk per session and wait for all of them (`add`, then `step` until done).
 
         chunks: (session id, whole token sequence, max_tokens, recompute_from or None). A new
         session gets `new_params(session id, max_tokens)` (vLLM's SamplingParams); an open one
-        keeps its first chunk's parameters with the new `max_tokens`.
+        keeps its first chunk's parameters with the new `max_tokens`. `images`: as in `add`.
         """
-        return self._wait(self.add(chunks, new_params), [sid for sid, *_ in chunks])
+        return self._wait(self.add(chunks, new_params, images), [sid for sid, *_ in chunks])
 
     def _wait(self, outs: list[ChunkOutput], sids: list[str]) -> dict[str, ChunkOutput]:
         """Step the engine until the chunks `outs` of sessions `sids` stopped (other sessions'
@@ -166,9 +170,15 @@ class SessionEngine:
         self,
         chunks: list[tuple[str, list[int], int, int | None]],
         new_params: Callable[[str, int], object],
+        images: dict[str, dict] | None = None,
     ) -> list[ChunkOutput]:
         """Queue one chunk per session (as in `run`); they join the engine's next step. Returns
-        their outputs, which fill in place as the engine steps."""
+        their outputs, which fill in place as the engine steps.
+
+        `images`: a new session's `multi_modal_data` by session id. Its first chunk's tokens then
+        hold one image pad per image, which vLLM expands (`prompt_ids` gives the expanded
+        sequence); every later chunk of the session gives its whole sequence expanded, the
+        image's positions kept (a rewind never reaches back into the prompt)."""
         from vllm.inputs import TokensPrompt
 
         for sid, tokens, max_tokens, recompute_from in chunks:
@@ -176,10 +186,13 @@ class SessionEngine:
                 raise RuntimeError(f"session {sid} already has a chunk running")
             if sid not in self._open:  # a new session: vLLM validates and completes the parameters
                 # a copy: vLLM extends the request's token list in place as the session goes on
+                prompt = TokensPrompt(prompt_token_ids=list(tokens))
+                if images and images.get(sid):
+                    prompt["multi_modal_data"] = images[sid]
                 request = self._engine.input_processor.process_inputs(
-                    sid, TokensPrompt(prompt_token_ids=list(tokens)), new_params(sid, max_tokens),
-                    supported_tasks=self._tasks, resumable=True,
+                    sid, prompt, new_params(sid, max_tokens), supported_tasks=self._tasks, resumable=True,
                 )  # fmt: skip
+                self._prompts[sid] = list(request.prompt_token_ids)
                 self._open[sid] = request.sampling_params
                 self._client.add_request(request)
                 self._running[sid] = ChunkOutput()
@@ -241,6 +254,11 @@ class SessionEngine:
                 finished[out.request_id] = self._running.pop(out.request_id)
         return finished
 
+    def prompt_ids(self, sid: str) -> list[int]:
+        """Session `sid`'s first chunk as the engine runs it: its tokens, with each image pad
+        expanded to one per merged patch for a session opened with images."""
+        return self._prompts[sid]
+
     @property
     def session_ids(self) -> list[str]:
         """The open sessions."""
@@ -254,6 +272,7 @@ class SessionEngine:
             for sid in ids:
                 del self._open[sid]
                 self._running.pop(sid, None)
+                self._prompts.pop(sid, None)
             closed = set(ids)
             self._params = {key: p for key, p in self._params.items() if key[0] not in closed}
 
