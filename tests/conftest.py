@@ -23,9 +23,11 @@ HEAVY = ("tests/trainer/test_two_nodes.py", "tests/workers/rollout/test_replicas
 # a unit once queued, and its own reordering, by test count, is off); the rest keep their order.
 FIRST = ("heavy", "tests/workers/rollout/test_vllm_rollout.py", "tests/trainer/test_e2e_training.py",
          "tests/workers/rollout/test_real_rollout.py", "tests/workers/test_fsdp_workers.py",
-         "tests/workers/rollout/test_multi_turn_real.py", "tests/workers/rollout/test_guidance_service.py",
+         "tests/workers/rollout/test_multi_turn_real.py", "tests/trainer/test_vision_training.py",
+         "tests/workers/rollout/test_guidance_service.py",
          "tests/workers/rollout/test_guidance_server.py", "tests/test_launchers.py",
-         "tests/workers/rollout/test_padded_vocab.py", "tests/workers/rollout/test_speculative.py",
+         "tests/workers/rollout/test_padded_vocab.py", "tests/workers/rollout/test_vision_engine.py",
+         "tests/workers/rollout/test_speculative.py",
          "tests/tasks/test_real_model.py", "tests/workers/rollout/test_multi_turn_guided.py",
          "tests/tools/test_gpu_actor_check.py", "tests/patches/test_vllm_session_rewind.py",
          "tests/utils/test_shared_tensors.py")  # fmt: skip
