@@ -266,6 +266,11 @@ def prepare(config: PPOConfig) -> Prepared:
     if data.val_files:
         val = RLDataset(data.val_files, encoder, data.prompt_key, data.answer_key,
                         data.filter_overlong_prompts, key="data.val_files", images=images)  # fmt: skip
+    if config.worker.actor.model.freeze_vision_tower:
+        from transformers import AutoConfig
+
+        if getattr(AutoConfig.from_pretrained(images.model_path), "vision_config", None) is None:
+            raise ConfigError(f"worker.actor.model.freeze_vision_tower: {actor_path!r} has no vision tower; valid: false for a text model")  # fmt: skip
     rollout = config.worker.rollout
     if train.images is not None and (
         rollout.offpolicy_guidance.enable or rollout.multi_turn.enable

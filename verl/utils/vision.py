@@ -95,6 +95,16 @@ def load_processor(path: str):
     return processor_class().from_pretrained(path)
 
 
+def freeze_vision_tower(model) -> int:
+    """Stop gradients into a vision-language model's vision tower (`model.visual`, Qwen2.5-VL's);
+    returns how many parameters were frozen. A model without one is refused in one line."""
+    tower = getattr(getattr(model, "model", None), "visual", None)
+    if tower is None:
+        raise ValueError(f"worker.actor.model.freeze_vision_tower: {type(model).__name__} has no vision tower (model.visual); valid: false for a text model")  # fmt: skip
+    tower.requires_grad_(False)
+    return sum(p.numel() for p in tower.parameters())
+
+
 def load_tokenizer_or_processor(path: str):
     """The processor of a vision-language model folder (one with `preprocessor_config.json`),
     else its tokenizer."""

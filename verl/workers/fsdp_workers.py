@@ -36,6 +36,7 @@ from verl.utils.fsdp_utils import (
 )
 from verl.utils.lora import AdaptersOff, apply_lora, is_lora, merge, scaling_of, sync_sources
 from verl.utils.shared_tensors import SharedTensors, to_shared
+from verl.utils.vision import freeze_vision_tower
 from verl.utils.worker_logs import redirect_worker_output
 from verl.workers.actor.config import OptimConfig
 from verl.workers.actor.dp_actor import DataParallelPPOActor
@@ -118,6 +119,8 @@ class FSDPWorker:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+        if trainable and model_cfg.freeze_vision_tower:
+            freeze_vision_tower(model)
         if trainable and model_cfg.lora.rank:  # base frozen, adapters trained (verl/utils/lora.py)
             model = apply_lora(model, model_cfg.lora)
         if not trainable:

@@ -49,6 +49,8 @@ class ModelConfig:
     """Attention kernel: auto (flash_attention_2 on GPU when installed, else sdpa), sdpa, eager, flash_attention_2."""
     enable_gradient_checkpointing: bool = True
     """Recompute activations in backward to save memory."""
+    freeze_vision_tower: bool = False
+    """A vision-language model's vision tower keeps its weights (EasyR1's key); only the language model trains."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (rank 0: off)."""
 
