@@ -46,7 +46,7 @@ with the same results as one pass.
 directly (1. above, or vLLM's own append when the patch is removed), without the request objects
 `EngineCore.add_request` builds for every chunk.
 
-`restrict_vocab(llm, rows)` gives the ids >= `rows` probability exactly 0 in everything an
+`restrict_vocab(llm, rows, banned)` gives the ids >= `rows` (and those in `banned`) probability exactly 0 in everything an
 engine computes (its logits there are -inf before any processing): a guidance with more
 embedding rows than its draft never scores or samples an id the draft's embedding lacks.
 
@@ -401,24 +401,27 @@ def check_engine(llm) -> str:
     return name
 
 
-def restrict_vocab(llm, rows: int | None) -> None:
-    """Ids >= `rows` get probability exactly 0 in everything the engine computes from now on:
-    the live model's logits there are -inf before any processing, so sampled tokens, their
-    log-probs and prompt rows (processed or not) all live on the first `rows` ids, renormalised
-    over them (idempotent; `rows` >= the vocabulary changes nothing; None restores the model's
-    own logits)."""
+def restrict_vocab(llm, rows: int | None, banned: tuple[int, ...] = ()) -> None:
+    """Ids >= `rows`, and the ids in `banned`, get probability exactly 0 in everything the engine
+    computes from now on: the live model's logits there are -inf before any processing, so
+    sampled tokens, their log-probs and prompt rows (processed or not) all live on the other ids,
+    renormalised over them (idempotent; `rows` >= the vocabulary changes nothing; None and no
+    `banned` restores the model's own logits)."""
     model = live_runner(llm).model
     current = model.compute_logits
     original = getattr(current, "verl_original", current)
-    if rows is None:
+    if rows is None and not banned:
         if original is not current:
             del model.compute_logits  # the instance attribute: the class's method again
         return
+    banned = tuple(int(i) for i in banned)
 
     def compute_logits(hidden_states, *args, **kwargs):
         logits = original(hidden_states, *args, **kwargs)
-        if logits is not None and logits.shape[-1] > rows:
+        if logits is not None and rows is not None and logits.shape[-1] > rows:
             logits[..., rows:] = float("-inf")
+        if logits is not None and banned:
+            logits[..., list(banned)] = float("-inf")
         return logits
 
     compute_logits.verl_original, compute_logits.verl_rows = original, rows

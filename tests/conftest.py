@@ -27,6 +27,7 @@ FIRST = ("heavy", "tests/workers/rollout/test_vllm_rollout.py", "tests/trainer/t
          "tests/workers/rollout/test_guidance_service.py",
          "tests/workers/rollout/test_guidance_server.py", "tests/test_launchers.py",
          "tests/workers/rollout/test_padded_vocab.py", "tests/workers/rollout/test_vision_engine.py",
+         "tests/workers/rollout/test_vision_rollout.py",
          "tests/workers/rollout/test_speculative.py",
          "tests/tasks/test_real_model.py", "tests/workers/rollout/test_multi_turn_guided.py",
          "tests/tools/test_gpu_actor_check.py", "tests/patches/test_vllm_session_rewind.py",

@@ -89,18 +89,32 @@ def test_two_steps_with_images_train_checkpoint_resume_and_export(tmp_path):
         assert resumed[0][key] == pytest.approx(full[1][key], rel=1e-4, abs=1e-6), key
 
 
+def config_args(model: str, data: str, tmp_path) -> list[str]:
+    return [f"data.train_files={data}", f"data.image_dir={tmp_path / 'data'}", "data.val_files=",
+            "data.rollout_batch_size=2", f"worker.actor.model.model_path={model}",
+            "worker.rollout.offpolicy_guidance.enable=true"]  # fmt: skip
+
+
 def test_images_with_guidance_are_refused_before_ray(tmp_path):
     """Data with images and speculative guidance (not supported yet): one line from `prepare`,
-    which runs before Ray starts, naming the keys that would make the run valid."""
-    from verl.tasks.tiny_vlm import save_tiny_vlm, write_count_data
+    which runs before Ray starts, naming the keys that would make the run valid; so is a mix-mode
+    guidance whose image processor differs from the draft's."""
+    from verl.tasks.tiny_vlm import TinyVLMSpec, save_tiny_vlm, write_count_data
     from verl.trainer.config import ConfigError, load_config
     from verl.trainer.main import prepare
 
     model = save_tiny_vlm(str(tmp_path / "model"))
     data = write_count_data(str(tmp_path / "data"), 4)
-    config = load_config([f"data.train_files={data}", f"data.image_dir={tmp_path / 'data'}", "data.val_files=",
-                          "data.rollout_batch_size=2", f"worker.actor.model.model_path={model}",
-                          "worker.rollout.offpolicy_guidance.enable=true",
-                          f"worker.rollout.offpolicy_guidance.model_path={model}"])  # fmt: skip
-    with pytest.raises(ConfigError, match=r"^data.train_files: .* has images \('images'\), which run in the draft-only rollout alone so far; valid: worker.rollout.offpolicy_guidance.enable=false"):  # fmt: skip
+    config = load_config(
+        [
+            *config_args(model, data, tmp_path),
+            f"worker.rollout.offpolicy_guidance.model_path={model}",
+        ]
+    )
+    with pytest.raises(ConfigError, match=r"^data.train_files: .* has images \('images'\), which run in the draft-only and mix rollouts alone so far; valid: worker.rollout.offpolicy_guidance.enable=false or offpolicy_guidance.mode=mix"):  # fmt: skip
+        prepare(config)
+    other = save_tiny_vlm(str(tmp_path / "other"), TinyVLMSpec(max_pixels=36 * 28 * 28))
+    config = load_config([*config_args(model, data, tmp_path), f"worker.rollout.offpolicy_guidance.model_path={other}",
+                          "worker.rollout.offpolicy_guidance.mode=mix"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^worker.rollout.offpolicy_guidance.model_path: .* preprocesses images unlike the draft \(size: \{'longest_edge': 28224, 'shortest_edge': 3136\} against \{'longest_edge': 12544"):  # fmt: skip
         prepare(config)

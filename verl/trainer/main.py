@@ -235,6 +235,26 @@ def check_inputs(config: PPOConfig, download: bool = False) -> str:
             f"reward {rewards}{''.join(f'; {note}' for note in notes)}; nothing loaded")  # fmt: skip
 
 
+def check_image_run(config: PPOConfig, images: ImageSettings) -> None:
+    """A run on data with images: the rollouts it supports so far (draft-only, and mix mode's
+    whole guidance responses), and a guidance that preprocesses an image as the draft does."""
+    data, guidance = config.data, config.worker.rollout.offpolicy_guidance
+    if config.worker.rollout.multi_turn.enable or (guidance.enable and guidance.mode != "mix"):
+        raise ConfigError(f"data.train_files: {data.train_files!r} has images ({data.image_key!r}), which run in the draft-only and mix rollouts alone so far; valid: worker.rollout.offpolicy_guidance.enable=false or offpolicy_guidance.mode=mix, and worker.rollout.multi_turn.enable=false, or data without images")  # fmt: skip
+    if guidance.enable:
+        from verl.utils.model_path import resolve_model_path
+        from verl.utils.vision import load_processor
+
+        path = resolve_model_path(
+            guidance.model_path, "worker.rollout.offpolicy_guidance.model_path"
+        )
+        ours = images.processor.image_processor.to_dict()
+        theirs = load_processor(path).image_processor.to_dict()
+        differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+        if differ:
+            raise ConfigError(f"worker.rollout.offpolicy_guidance.model_path: {path!r} preprocesses images unlike the draft ({differ[0]}: {theirs.get(differ[0])!r} against {ours.get(differ[0])!r}); valid: a guidance with the draft's image processor")  # fmt: skip
+
+
 def prepare(config: PPOConfig) -> Prepared:
     """Checks and builds everything that needs no Ray: models on disk, data, reward functions.
     The checks that load nothing (`check_inputs`) come first, so a bad path fails at once."""
@@ -271,11 +291,8 @@ def prepare(config: PPOConfig) -> Prepared:
 
         if getattr(AutoConfig.from_pretrained(images.model_path), "vision_config", None) is None:
             raise ConfigError(f"worker.actor.model.freeze_vision_tower: {actor_path!r} has no vision tower; valid: false for a text model")  # fmt: skip
-    rollout = config.worker.rollout
-    if train.images is not None and (
-        rollout.offpolicy_guidance.enable or rollout.multi_turn.enable
-    ):
-        raise ConfigError(f"data.train_files: {data.train_files!r} has images ({data.image_key!r}), which run in the draft-only rollout alone so far; valid: worker.rollout.offpolicy_guidance.enable=false and worker.rollout.multi_turn.enable=false, or data without images")  # fmt: skip
+    if train.images is not None:
+        check_image_run(config, images)
     if len(train) < data.rollout_batch_size:
         raise ValueError(f"data.rollout_batch_size={data.rollout_batch_size} is larger than the "
                          f"{len(train)} usable training prompts of {data.train_files!r}; valid: "

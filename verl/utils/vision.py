@@ -95,6 +95,37 @@ def load_processor(path: str):
     return processor_class().from_pretrained(path)
 
 
+VISION_TOKEN_KEYS = (
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
+
+
+def vision_token_ids(config_or_path) -> tuple[int, ...]:
+    """The ids of a vision-language model's image markers (Qwen2.5-VL's four), from its config or
+    a checkpoint folder's config.json (() for a text model). The policy never emits them: the
+    engines give them probability 0 and the actor's log-softmax leaves them out, so π and μ are
+    the same distribution (a sampled image pad would also break the next forward, which counts
+    image pads against the images)."""
+    if isinstance(config_or_path, str):
+        import json
+
+        path = os.path.join(config_or_path, "config.json")
+        if not os.path.isfile(path):
+            return ()
+        with open(path) as f:
+            config = json.load(f)
+    else:
+        config = (
+            config_or_path.to_dict() if hasattr(config_or_path, "to_dict") else dict(config_or_path)
+        )
+    if "vision_config" not in config:
+        return ()
+    return tuple(sorted({int(config[k]) for k in VISION_TOKEN_KEYS if config.get(k) is not None}))
+
+
 def freeze_vision_tower(model) -> int:
     """Stop gradients into a vision-language model's vision tower (`model.visual`, Qwen2.5-VL's);
     returns how many parameters were frozen. A model without one is refused in one line."""
@@ -166,6 +197,14 @@ def image_messages(prompt: str, num_images: int, where: str, system_prompt: str 
     if system_prompt:
         messages.insert(0, {"role": "system", "content": system_prompt})
     return messages
+
+
+def engine_inputs(prompts: list[list[int]], images: list[dict | None] | None) -> list[dict]:
+    """vLLM's inputs of `prompts` (token ids; one image pad per image), with each one's
+    `multi_modal_data` where it has images (`images` None: a text batch)."""
+    if images is None:
+        return [{"prompt_token_ids": p} for p in prompts]
+    return [{"prompt_token_ids": p, **({"multi_modal_data": m} if m else {})} for p, m in zip(prompts, images, strict=True)]  # fmt: skip
 
 
 def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:

@@ -64,8 +64,9 @@ def batch(vlm):
 
 
 def reference(model, prompts, data, lengths, temperature=0.7) -> dict[str, torch.Tensor]:
-    """One plain HF forward per sequence (its expanded prompt and response, its own images)."""
-    from verl.utils.vision import mm_token_type_ids
+    """One plain HF forward per sequence (its expanded prompt and response, its own images), the
+    softmax over the ids the policy emits (the four image markers left out, as the engines do)."""
+    from verl.utils.vision import mm_token_type_ids, vision_token_ids
 
     out = {k: torch.zeros(len(prompts), T) for k in ("log_probs", "entropy", "sum_pi_squared")}
     for i, (prompt, n) in enumerate(zip(prompts, lengths)):
@@ -79,9 +80,10 @@ def reference(model, prompts, data, lengths, temperature=0.7) -> dict[str, torch
         with torch.no_grad():
             logits = model(input_ids=ids, mm_token_type_ids=mm_token_type_ids(ids, model.config.image_token_id),
                            **extra).logits[0, -n - 1 : -1].double() / temperature  # fmt: skip
+        logits[:, list(vision_token_ids(model.config))] = float("-inf")  # the policy's ids
         logp = torch.log_softmax(logits, -1)
         out["log_probs"][i, :n] = logp.gather(-1, response[:, None])[:, 0].float()
-        out["entropy"][i, :n] = -(logp.exp() * logp).sum(-1).float()
+        out["entropy"][i, :n] = -(logp.exp() * logp.clamp(min=-1e30)).sum(-1).float()
         out["sum_pi_squared"][i, :n] = (logp.exp() ** 2).sum(-1).float()
     return out
 
@@ -173,3 +175,19 @@ def test_a_frozen_vision_tower_keeps_its_weights_while_the_language_model_trains
     assert moved and not any(name.startswith("model.visual.") for name in moved)
     with pytest.raises(ValueError, match=r"^worker.actor.model.freeze_vision_tower: Qwen2ForCausalLM has no vision tower"):  # fmt: skip
         freeze_vision_tower(build_tiny_qwen2(TinyLMSpec(hidden_size=64, num_hidden_layers=1)))
+
+
+def test_ids_left_out_have_zero_probability_and_finite_gradients():
+    """token_stats with -inf logits (the image markers): under autograd the entropy is the
+    entropy over the other ids and the gradients are finite (no 0·inf). Hand values: logits
+    (0, ln 3, -inf) give π = (1/4, 3/4, 0) and H = -(¼ ln ¼ + ¾ ln ¾) = 0.5623."""
+    from verl.workers.actor.dp_actor import token_stats
+
+    logits = torch.tensor([[0.0, float(np.log(3.0)), float("-inf")]], requires_grad=True)
+    out = token_stats(logits, torch.tensor([1]), 1.0, entropy=True)
+    assert out["log_probs"].item() == pytest.approx(np.log(0.75), abs=1e-6)
+    assert out["entropy"].item() == pytest.approx(
+        -(0.25 * np.log(0.25) + 0.75 * np.log(0.75)), abs=1e-6
+    )
+    (out["log_probs"] + out["entropy"]).sum().backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad[0, 2] == 0

@@ -292,12 +292,12 @@ def test_build_llm_pins_the_runner_applies_the_patch_checks_and_restricts(monkey
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=LLM))
     monkeypatch.setattr(vllm_session_rewind, "apply", lambda: events.append("patched"))
     monkeypatch.setattr(vllm_session_rewind, "check_engine", lambda llm: events.append("checked") or "R")  # fmt: skip
-    monkeypatch.setattr(vllm_session_rewind, "restrict_vocab", lambda llm, rows: events.append(("rows", rows)))  # fmt: skip
+    monkeypatch.setattr(vllm_session_rewind, "restrict_vocab", lambda llm, rows, banned: events.append(("rows", rows, banned)))  # fmt: skip
     kwargs = {"model": "m", "kv_cache_memory_bytes": 7, "gpu_memory_utilization": 0.3,
               ENGINE_KEY: {"memory_key": KEY, "vocab_rows": 128}}  # fmt: skip
     _, facts = vllm_engine.build_llm(kwargs)
     assert events == ["patched", ("built", "0", ["gpu_memory_utilization", "kv_cache_memory_bytes", "model"]),
-                      "checked", ("rows", 128)]  # fmt: skip
+                      "checked", ("rows", 128, ())]  # fmt: skip
     assert facts == {"runner": "R", "kv_cache_bytes": 7, "vocab_rows": 128}
     assert ENGINE_KEY in kwargs  # the caller's arguments are left as they were
     events.clear()  # an eager engine: the sampler's ranks are made eager before it is built

@@ -48,9 +48,10 @@ def prompts(processor):
 def hf_rows(hf, prompt, tokens: list[int], start: int | None = None) -> torch.Tensor:
     """(len(tokens) + 1, V) log-softmax rows of one HF forward over the prompt (expanded, with its
     pixel values, image grid and `mm_token_type_ids`) and `tokens`: row i is the distribution of
-    token i given the prompt and tokens[:i]. `start`: the rows from that position instead (row
-    t - start scores position t + 1)."""
-    from verl.utils.vision import mm_token_type_ids
+    token i given the prompt and tokens[:i], over the ids the engine may emit (the four image
+    markers left out). `start`: the rows from that position instead (row t - start scores
+    position t + 1)."""
+    from verl.utils.vision import mm_token_type_ids, vision_token_ids
 
     ids = torch.tensor([prompt.input_ids + tokens])
     with torch.no_grad():
@@ -58,7 +59,9 @@ def hf_rows(hf, prompt, tokens: list[int], start: int | None = None) -> torch.Te
                     image_grid_thw=prompt.image_grid_thw,
                     mm_token_type_ids=mm_token_type_ids(ids, hf.config.image_token_id)).logits[0]  # fmt: skip
     first = len(prompt.input_ids) - 1 if start is None else start
-    return torch.log_softmax(logits[first:].float(), -1)
+    rows = logits[first:].float()
+    rows[:, list(vision_token_ids(hf.config))] = float("-inf")  # the engine never emits them
+    return torch.log_softmax(rows, -1)
 
 
 def engine_input(prompt) -> dict:
@@ -105,7 +108,8 @@ def test_engine_log_probs_equal_an_hf_forward_with_the_images(vlm):
 def test_first_tokens_after_an_image_follow_the_model(vlm):
     """4,000 first tokens sampled after the two-image prompt against HF's softmax at the prompt's
     last position: a chi-square test over the tokens expected at least 5 times (the rest pooled),
-    at the 1e-3 level. The model is random, so its first-token distribution is spread wide."""
+    at the 1e-3 level; the four image markers never. The model is random, so its first-token
+    distribution is spread wide."""
     from scipy.stats import chisquare
     from vllm import SamplingParams
 
@@ -120,12 +124,14 @@ def test_first_tokens_after_an_image_follow_the_model(vlm):
     ).double()
     probs = hf_rows(hf, prompt, [])[0].double().exp()
     expected = probs * samples
-    big = expected >= 5
+    zero = expected == 0  # the image markers: never sampled
+    assert zero.sum() == 4 and counts[zero].sum() == 0
+    big, rare = expected >= 5, (expected < 5) & ~zero
     assert big.sum() >= 20  # a spread distribution: the test has power
     observed, wanted = counts[big], expected[big]
-    if (~big).any():  # the rare tokens pooled into one bin
-        observed = torch.cat([observed, counts[~big].sum()[None]])
-        wanted = torch.cat([wanted, expected[~big].sum()[None]])
+    if rare.any():  # the rare tokens pooled into one bin
+        observed = torch.cat([observed, counts[rare].sum()[None]])
+        wanted = torch.cat([wanted, expected[rare].sum()[None]])
     assert chisquare(observed.numpy(), wanted.numpy() * samples / wanted.sum().item()).pvalue > 1e-3
 
 
@@ -202,7 +208,10 @@ def test_a_session_opened_with_images_rewinds_and_scores_exactly(vlm):
         P = len(prompt.input_ids)
         whole = hf_rows(hf, prompt, [], start=0)  # row t scores prompt token t + 1
         expected = whole[torch.arange(P - 1), torch.tensor(prompt.input_ids[1:])]
-        assert torch.allclose(out.prompt_logprobs.logprobs[: P - 1, 0], expected, atol=1e-4)
+        scored = out.prompt_logprobs.logprobs[: P - 1, 0]
+        finite = torch.isfinite(expected)  # rows scoring an image marker: -inf on both sides
+        assert torch.equal(torch.isfinite(scored), finite)
+        assert torch.allclose(scored[finite], expected[finite], atol=1e-4)
         replaced = (tokens[1] + 1) % 100  # recomputed from position P: row P scores it
         again = engine.run(
             [("img", [*prompt.input_ids, tokens[0], replaced], 2, P)], lambda *_: params

@@ -29,6 +29,7 @@ from verl.trainer.core_algos.kl import kl_penalty
 from verl.trainer.core_algos.policy_loss import agg_loss, get_policy_loss_fn
 from verl.trainer.core_algos.sum_pi_squared import softmax_statistics
 from verl.utils import metric_names as M
+from verl.utils.vision import vision_token_ids
 from verl.workers.actor.config import ActorConfig
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
@@ -126,8 +127,9 @@ def token_stats(
         z = logits.float() / temperature
         lse = torch.logsumexp(z, dim=-1)
         out = {"log_probs": z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse}
-        if entropy:
-            out["entropy"] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+        if entropy:  # -inf logits (ids left out) have π = 0: z taken as 0 there (no 0·inf)
+            finite = z.masked_fill(torch.isinf(z), 0.0)
+            out["entropy"] = lse - (torch.softmax(z, dim=-1) * finite).sum(-1)
         if topk_ids is not None:
             out["topk_log_probs"] = z.gather(-1, topk_ids) - lse.unsqueeze(-1)
         return out
@@ -186,6 +188,10 @@ class DataParallelPPOActor:
         self.policy_loss_fn = get_policy_loss_fn(config.policy_loss.loss_type)
         self.packed_row_tokens: int | None = None
         """Padding-free: most tokens per packed row (None: `_packed_row_budget`'s rule)."""
+        banned = vision_token_ids(getattr(actor_module, "config", {}))
+        self.banned = torch.tensor(banned, dtype=torch.long) if banned else None
+        """A vision-language model's image markers: left out of π's log-softmax (logits -inf), as
+        the engines leave them out of μ (`verl.utils.vision.vision_token_ids`)."""
 
     # ------------------------------------------------------------------ forward
     def _packed_row_budget(self, lengths: list[int]) -> int | None:
@@ -315,6 +321,12 @@ class DataParallelPPOActor:
                                f"{tuple(logits.shape)}; expected (1, {len(pick)}, V)")  # fmt: skip
         return logits[0]
 
+    def _without_banned(self, logits: torch.Tensor) -> torch.Tensor:
+        """(M, V) logits with `banned` ids at -inf (unchanged for a text model)."""
+        if self.banned is None:
+            return logits
+        return logits.index_fill(-1, self.banned.to(logits.device), float("-inf"))
+
     def _chunked_head_stats(
         self, micro: dict[str, torch.Tensor], temperature: float, entropy: bool
     ) -> dict:
@@ -335,7 +347,7 @@ class DataParallelPPOActor:
             head = self.actor_module.get_output_embeddings()
             parts: dict[str, list[torch.Tensor]] = defaultdict(list)
             for start in range(0, hidden.shape[0], chunk):
-                logits = head(hidden[start : start + chunk])
+                logits = self._without_banned(head(hidden[start : start + chunk]))
                 for key, value in token_stats(
                     logits, labels[start : start + chunk], temperature, entropy, True, chunk
                 ).items():
@@ -357,7 +369,7 @@ class DataParallelPPOActor:
         ):
             stats = self._chunked_head_stats(micro, temperature, entropy)
         else:
-            logits = self._response_logits(micro)
+            logits = self._without_banned(self._response_logits(micro))
             chunk = self.config.sum_pi_squared_chunk_size
             topk = micro["guidance_topk_ids"][valid] if "guidance_topk_ids" in micro else None
             stats = token_stats(logits, micro["responses"][valid], temperature, entropy,

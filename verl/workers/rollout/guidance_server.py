@@ -242,15 +242,17 @@ class _Server:
     def close(self, session_ids=None) -> None:
         self.sessions.close(session_ids)
 
-    def generate(self, prompts: list[list[int]], params: list[dict]) -> list[tuple]:
-        """Plain sampling: per prompt (token ids, log-prob of each sampled token)."""
+    def generate(self, prompts: list[list[int]], params: list[dict], images: list | None = None) -> list[tuple]:  # fmt: skip
+        """Plain sampling: per prompt (token ids, log-prob of each sampled token); `images`: each
+        prompt's `multi_modal_data` (one image pad per image in its tokens), or None."""
         self._awake("generate")
         from vllm import SamplingParams
 
+        from verl.utils.vision import engine_inputs
         from verl.workers.rollout.vllm_sessions import sampled_log_probs
 
         outputs = self.llm.generate(
-            [{"prompt_token_ids": p} for p in prompts],
+            engine_inputs(prompts, images),
             [SamplingParams(**kw) for kw in params],
             use_tqdm=False,
         )

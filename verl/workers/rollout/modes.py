@@ -27,6 +27,7 @@ import numpy as np
 from verl.trainer.core_algos.guidance import LAM_GATES
 from verl.trainer.core_algos.guide_when import prefix_lengths
 from verl.utils.registry import Registry
+from verl.utils.vision import engine_inputs
 from verl.workers.rollout.config import OffPolicyGuidanceConfig
 from verl.workers.rollout.context import RolloutContext
 from verl.workers.rollout.speculative import GuidedSequence, ListedRows, RoundStats
@@ -50,14 +51,7 @@ class Job:
     """The batch's meta_info (e.g. `entropy_threshold`)."""
     images: list[dict | None] | None = None
     """Per sequence the engine's `multi_modal_data` ({"image": [...]}; None: text), or None for a
-    text batch; `prompts` then hold one image pad per image (draft-only mode only)."""
-
-
-def engine_prompts(prompts: list[list[int]], images: list[dict | None] | None) -> list[dict]:
-    """vLLM's inputs of `prompts` (token ids), with each one's images where it has them."""
-    if images is None:
-        return [{"prompt_token_ids": p} for p in prompts]
-    return [{"prompt_token_ids": p, **({"multi_modal_data": m} if m else {})} for p, m in zip(prompts, images)]  # fmt: skip
+    text batch; `prompts` then hold one image pad per image (draft-only and mix modes only)."""
 
 
 @dataclass
@@ -131,7 +125,7 @@ def draft_responses(
     """Whole responses from the draft engine, one seed per prompt (`whole_response`)."""
     params = [ctx.draft_params(ctx.max_tokens, 1, int(s)) for s in seeds]
     outputs = ctx.engines.draft.generate(
-        engine_prompts(prompts, images),
+        engine_inputs(prompts, images),
         params,
         use_tqdm=not ctx.config.disable_tqdm,
     )
@@ -158,9 +152,11 @@ def mix(ctx: RolloutContext, job: Job) -> Generated:
         params = [
             ctx.sampling_kwargs(ctx.max_tokens, 1, int(seeds[i]), **processing) for i in rows[True]
         ]
-        ctx.engines.guidance.submit("generate", [prompts[i] for i in rows[True]], params)
+        images = [job.images[i] for i in rows[True]] if job.images is not None else None
+        ctx.engines.guidance.submit("generate", [prompts[i] for i in rows[True]], params, images)
     if rows[False]:
-        draft = draft_responses(ctx, [prompts[i] for i in rows[False]], seeds[rows[False]])
+        images = [job.images[i] for i in rows[False]] if job.images is not None else None
+        draft = draft_responses(ctx, [prompts[i] for i in rows[False]], seeds[rows[False]], images)
         for i, seq in zip(rows[False], draft, strict=True):
             seqs[i] = seq
     if rows[True]:

@@ -34,7 +34,7 @@ import torch
 from verl_patches import qwen_vl_images, vllm_session_rewind
 
 from verl.utils.config_checks import fail
-from verl.utils.vision import processor_class
+from verl.utils.vision import processor_class, vision_token_ids
 from verl.workers.rollout.vllm_logging import quiet_partial_reload
 
 ENGINE_KEY = "verl_engine"
@@ -172,8 +172,9 @@ def build_llm(kwargs: dict):
     _LIVE.add(llm)
     runner = vllm_session_rewind.check_engine(llm)
     rows = extra.get("vocab_rows")
-    if rows is not None:
-        vllm_session_rewind.restrict_vocab(llm, rows)
+    banned = vision_token_ids(kwargs["model"])  # a vision-language model never emits these
+    if rows is not None or banned:
+        vllm_session_rewind.restrict_vocab(llm, rows, banned)
     facts = {"runner": runner, "kv_cache_bytes": kwargs.get("kv_cache_memory_bytes"),
              "vocab_rows": rows}  # fmt: skip
     print(f"vLLM engine of {kwargs['model']} built: model runner class {runner}, KV cache "

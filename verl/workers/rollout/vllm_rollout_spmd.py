@@ -130,9 +130,9 @@ class VLLMRollout(EngineLifecycle):
 
 def image_job(rows: dict, n: int, mode: str) -> tuple[list[list[int]], list]:
     """The engine's prompts (one image pad per image, `raw_prompt_ids`) and images of a batch with
-    images, each repeated n times; images run in draft-only mode alone so far."""
-    if mode != "draft_only":
-        raise ValueError(f"a batch with images needs the draft-only rollout; this one runs {mode!r} (worker.rollout.offpolicy_guidance.enable and multi_turn.enable with images are not supported yet)")  # fmt: skip
+    images, each repeated n times; images run in the draft-only and mix modes so far."""
+    if mode not in ("draft_only", "mix"):
+        raise ValueError(f"a batch with images needs the draft-only or mix rollout; this one runs {mode!r} (speculative guidance, prefill scoring and multi-turn with images are not supported yet)")  # fmt: skip
     ids = [list(map(int, p)) for p in rows["raw_prompt_ids"] for _ in range(n)]
     return ids, [m for m in rows["multi_modal_data"] for _ in range(n)]
 
