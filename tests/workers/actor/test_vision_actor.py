@@ -119,59 +119,45 @@ def test_log_probs_with_images_equal_a_plain_hf_forward(vlm, batch, setting):
         assert (got[name][~mask] == 0).all()
 
 
-def test_an_update_with_images_trains_the_language_model_and_the_vision_tower(vlm, batch):
-    """One padding-free PPO step on the batch (advantages +1 / -1 by row): the language model's
-    and the vision tower's weights both move (EasyR1's `freeze_vision_tower` off), the loss is
-    finite."""
-    import copy
-
-    model = copy.deepcopy(vlm[0]).train()
-    data, *_ = batch
-    actor = DataParallelPPOActor(ActorConfig(micro_batch_size_per_device_for_experience=4,
-                                             micro_batch_size_per_device_for_update=2, global_batch_size=4),
-                                 model, torch.optim.SGD(model.parameters(), lr=0.5))  # fmt: skip
-    old = actor.compute_log_prob(data).batch["old_log_probs"]
-    signs = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None]
-    step = data.union(
-        DataProto.from_dict(
-            {"old_log_probs": old, "advantages": signs * data.batch["response_mask"]}
-        )
-    )
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    metrics = actor.update_policy(step)
-    assert all(np.isfinite(v).all() for v in metrics.values())
-    moved = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
-    assert any(name.startswith("model.visual.") for name in moved)
-    assert any(name.startswith("model.language_model.") for name in moved)
-
-
-def test_a_frozen_vision_tower_keeps_its_weights_while_the_language_model_trains(vlm, batch):
-    """`freeze_vision_tower` (EasyR1's `worker.actor.model.freeze_vision_tower`): the same step
-    as above moves no vision weight and still moves the language model; a text model is refused
-    in one line."""
-    import copy
-
-    from verl.tasks.tiny_lm import TinyLMSpec, build_tiny_qwen2
-    from verl.utils.vision import freeze_vision_tower
-
-    model = copy.deepcopy(vlm[0]).train()
-    frozen = freeze_vision_tower(model)
-    assert frozen == sum(p.numel() for p in model.model.visual.parameters()) > 0
-    data, *_ = batch
+def one_update(model, data: DataProto) -> set[str]:
+    """One padding-free PPO step of SGD (lr 0.5) on `data`, advantages +1 / -1 by row, over the
+    model's trainable parameters: the names of the parameters that moved (metrics finite)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     actor = DataParallelPPOActor(ActorConfig(micro_batch_size_per_device_for_experience=4,
                                              micro_batch_size_per_device_for_update=2, global_batch_size=4),
                                  model, torch.optim.SGD(trainable, lr=0.5))  # fmt: skip
     old = actor.compute_log_prob(data).batch["old_log_probs"]
     signs = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None]
-    step = data.union(
-        DataProto.from_dict(
-            {"old_log_probs": old, "advantages": signs * data.batch["response_mask"]}
-        )
-    )
+    advantages = signs * data.batch["response_mask"]
+    step = data.union(DataProto.from_dict({"old_log_probs": old, "advantages": advantages}))
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    actor.update_policy(step)
-    moved = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+    metrics = actor.update_policy(step)
+    assert all(np.isfinite(v).all() for v in metrics.values())
+    return {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+
+
+def test_an_update_with_images_trains_the_language_model_and_the_vision_tower(vlm, batch):
+    """One PPO step (`one_update`): the language model's and the vision tower's weights both move
+    (EasyR1's `freeze_vision_tower` off)."""
+    import copy
+
+    moved = one_update(copy.deepcopy(vlm[0]).train(), batch[0])
+    assert any(name.startswith("model.visual.") for name in moved)
+    assert any(name.startswith("model.language_model.") for name in moved)
+
+
+def test_a_frozen_vision_tower_keeps_its_weights_while_the_language_model_trains(vlm, batch):
+    """`freeze_vision_tower` (EasyR1's `worker.actor.model.freeze_vision_tower`): the same step
+    moves no vision weight and still moves the language model; a text model is refused in one
+    line."""
+    import copy
+
+    from verl.tasks.tiny_lm import TinyLMSpec, build_tiny_qwen2
+    from verl.utils.vision import freeze_vision_tower
+
+    model = copy.deepcopy(vlm[0]).train()
+    assert freeze_vision_tower(model) == sum(p.numel() for p in model.model.visual.parameters()) > 0
+    moved = one_update(model, batch[0])
     assert moved and not any(name.startswith("model.visual.") for name in moved)
     with pytest.raises(ValueError, match=r"^worker.actor.model.freeze_vision_tower: Qwen2ForCausalLM has no vision tower"):  # fmt: skip
         freeze_vision_tower(build_tiny_qwen2(TinyLMSpec(hidden_size=64, num_hidden_layers=1)))
