@@ -29,6 +29,8 @@ EXPECTED = {  # launcher -> (dotted key, value) pairs its final config must hold
                                           ("worker.rollout.offpolicy_guidance.mode", "speculative"),
                                           ("algorithm.tis_level", "token")],
     "qwen2_5_1_5b_math_guided_mix.sh": [("worker.rollout.offpolicy_guidance.mode", "mix")],
+    "qwen2_5_vl_3b_geo3k_mix.sh": [("worker.rollout.offpolicy_guidance.mode", "mix"), ("data.image_key", "images"),
+                                   ("data.max_pixels", 4194304), ("data.train_files", "hiyouga/geometry3k@train")],
     "qwen2_5_1_5b_math_grpo.sh": [("worker.rollout.offpolicy_guidance.enable", False), ("algorithm.adv_estimator", "grpo")],
     "qwen2_5_1_5b_math_otb.sh": [("algorithm.adv_estimator", "optimal_token_baseline")],
     "qwen2_5_1_5b_math_opsm.sh": [("algorithm.opsm_delta", 0.1), ("worker.rollout.offpolicy_guidance.enable", True)],
@@ -219,7 +221,8 @@ def test_a_dry_run_never_imports_tensordict():
 @pytest.mark.parametrize(
     ("name", "env", "start"),
     [("qwen2_5_1_5b_math_mentor.sh", {"EXACT": "yes"}, "error: EXACT=yes is not valid; expected 0 (default: MENTOR"),
-     ("qwen2_5_1_5b_math_guide_failing.sh", {"PREFIX": "2"}, "error: PREFIX=2 is not valid; expected 0 (default: no")],
+     ("qwen2_5_1_5b_math_guide_failing.sh", {"PREFIX": "2"}, "error: PREFIX=2 is not valid; expected 0 (default: no"),
+     ("qwen2_5_vl_3b_geo3k_mix.sh", {"DRAFT_ONLY": "yes"}, "error: DRAFT_ONLY=yes is not valid; expected 0 (default: 1 of 8")],
 )  # fmt: skip
 def test_an_on_off_variable_takes_0_or_1_only(name, env, start):
     """scripts/launcher_flags.sh: EXACT=yes would otherwise run the other recipe."""
