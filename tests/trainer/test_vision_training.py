@@ -1,7 +1,8 @@
-"""GRPO with images through the command line (draft-only rollout), on the tiny Qwen2.5-VL and a
-folder of pictures to count written here: two steps whose engine log-probs equal the actor's (so
-the weight sync reached the vision tower too), checkpoints, a resume that repeats step 2, and an
-export that transformers and our processor load."""
+"""Guided GRPO with images through the command line (speculative guidance at λ = 0.5 from a second
+tiny Qwen2.5-VL), on a folder of pictures to count written here: two steps whose draft engine
+log-probs equal the actor's (so the weight sync reached the vision tower too) and whose responses
+carry guidance tokens, checkpoints, a resume that repeats step 2, and an export that transformers
+and our processor load."""
 
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ def run(tmp_path, run_dir, resume: str = "none") -> list[dict]:
             "actor": {"global_batch_size": 8, "micro_batch_size_per_device_for_update": 4,
                       "micro_batch_size_per_device_for_experience": 8,
                       "model": {"model_path": str(tmp_path / "model")}, "optim": {"lr": 1e-3}},
-            "rollout": {"n": 2, "dtype": "float32", "gpu_memory_utilization": 0.02, "enforce_eager": True},
+            "rollout": {"n": 2, "dtype": "float32", "gpu_memory_utilization": 0.02, "enforce_eager": True,
+                        "offpolicy_guidance": {"enable": True, "model_path": str(tmp_path / "guidance"), "lam": 0.5,
+                                               "dtype": "float32", "gpu_memory_utilization": 0.02}},
             "reward": {"reward_function": f"{tmp_path / 'reward.py'}:digit_share", "reward_type": "sequential"},
         },
         "trainer": {"max_steps": 2, "save_freq": 1, "logger": ["file"], "save_checkpoint_path": str(run_dir),
@@ -56,10 +59,11 @@ def test_two_steps_with_images_train_checkpoint_resume_and_export(tmp_path):
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from verl.tasks.tiny_vlm import save_tiny_vlm, write_count_data
+    from verl.tasks.tiny_vlm import TinyVLMSpec, save_tiny_vlm, write_count_data
     from verl.utils.vision import load_processor
 
     save_tiny_vlm(str(tmp_path / "model"))
+    save_tiny_vlm(str(tmp_path / "guidance"), TinyVLMSpec(seed=1))
     write_count_data(str(tmp_path / "data"), 16, seed=1)
     (tmp_path / "reward.py").write_text(REWARD)
     full = run(tmp_path, tmp_path / "full")
@@ -67,6 +71,7 @@ def test_two_steps_with_images_train_checkpoint_resume_and_export(tmp_path):
     for row in full:  # the engine samples what the actor computes, images included (float32)
         assert abs(row["mismatch/kl_v2"]) < 1e-6 and abs(row["mismatch/kl_v1"]) < 1e-4
         assert row["response_length/mean"] > 0
+        assert row["guidance/offpolicy_token_ratio"] > 0 and row["guidance/lambda"] == 0.5
     assert full[0]["actor/grad_norm"] > 0  # step 1 moved the weights step 2 sampled with
     export = tmp_path / "full" / "global_step_2" / "actor" / "hf"
     # the export loads in transformers, and both halves of the model moved
@@ -85,7 +90,7 @@ def test_two_steps_with_images_train_checkpoint_resume_and_export(tmp_path):
     shutil.copytree(tmp_path / "full" / "global_step_1", resumed_dir / "global_step_1")
     resumed = run(tmp_path, resumed_dir, resume="auto")
     assert [r["step"] for r in resumed] == [2]
-    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "mismatch/kl_v1"):
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "mismatch/kl_v1", "guidance/offpolicy_token_ratio"):  # fmt: skip
         assert resumed[0][key] == pytest.approx(full[1][key], rel=1e-4, abs=1e-6), key
 
 
@@ -95,26 +100,22 @@ def config_args(model: str, data: str, tmp_path) -> list[str]:
             "worker.rollout.offpolicy_guidance.enable=true"]  # fmt: skip
 
 
-def test_images_with_guidance_are_refused_before_ray(tmp_path):
-    """Data with images and speculative guidance (not supported yet): one line from `prepare`,
-    which runs before Ray starts, naming the keys that would make the run valid; so is a mix-mode
-    guidance whose image processor differs from the draft's."""
+def test_image_runs_are_refused_before_ray(tmp_path):
+    """Data with images and multi-turn episodes (not supported yet): one line from `prepare`,
+    which runs before Ray starts, naming the key that would make the run valid; so is a guidance
+    whose image processor differs from the draft's."""
     from verl.tasks.tiny_vlm import TinyVLMSpec, save_tiny_vlm, write_count_data
     from verl.trainer.config import ConfigError, load_config
     from verl.trainer.main import prepare
 
     model = save_tiny_vlm(str(tmp_path / "model"))
     data = write_count_data(str(tmp_path / "data"), 4)
-    config = load_config(
-        [
-            *config_args(model, data, tmp_path),
-            f"worker.rollout.offpolicy_guidance.model_path={model}",
-        ]
-    )
-    with pytest.raises(ConfigError, match=r"^data.train_files: .* has images \('images'\), which run in the draft-only and mix rollouts alone so far; valid: worker.rollout.offpolicy_guidance.enable=false or offpolicy_guidance.mode=mix"):  # fmt: skip
+    config = load_config([*config_args(model, data, tmp_path), f"worker.rollout.offpolicy_guidance.model_path={model}",
+                          "worker.rollout.multi_turn.enable=true", "worker.rollout.multi_turn.tools=[calculator]",
+                          "data.max_prompt_length=2048"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^data.train_files: .* has images \('images'\), which run in single-turn rollouts alone so far; valid: worker.rollout.multi_turn.enable=false"):  # fmt: skip
         prepare(config)
     other = save_tiny_vlm(str(tmp_path / "other"), TinyVLMSpec(max_pixels=36 * 28 * 28))
-    config = load_config([*config_args(model, data, tmp_path), f"worker.rollout.offpolicy_guidance.model_path={other}",
-                          "worker.rollout.offpolicy_guidance.mode=mix"])  # fmt: skip
+    config = load_config([*config_args(model, data, tmp_path), f"worker.rollout.offpolicy_guidance.model_path={other}"])  # fmt: skip
     with pytest.raises(ConfigError, match=r"^worker.rollout.offpolicy_guidance.model_path: .* preprocesses images unlike the draft \(size: \{'longest_edge': 28224, 'shortest_edge': 3136\} against \{'longest_edge': 12544"):  # fmt: skip
         prepare(config)

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl.utils.vision import check_engine_prompt, image_messages, load_image, mm_token_type_ids
+from verl.utils.vision import (
+    ImagePrompt,
+    check_engine_prompt,
+    image_messages,
+    load_image,
+    mm_token_type_ids,
+)
 
 
 @pytest.fixture
@@ -100,6 +106,17 @@ def image_dataset(folder, data, **kwargs):
     )
     images = ImageSettings(folder, image_dir=str(data.parent), **kwargs)
     return RLDataset(str(data), encoder, "prompt", "answer", key="data.train_files", images=images)
+
+
+def test_an_image_prompt_opens_on_the_raw_tokens_then_the_same_continuation():
+    """The caller speaks expanded tokens (pad 9 three times for one image); the engine opens on the
+    raw prompt (one pad) followed by whatever came after the expanded prompt; tokens that do not
+    start with the expanded prompt are refused in one line."""
+    opening = ImagePrompt(raw=[1, 9, 2], expanded=[1, 9, 9, 9, 2], data={"image": []})
+    assert opening.engine_tokens([1, 9, 9, 9, 2]) == [1, 9, 2]
+    assert opening.engine_tokens([1, 9, 9, 9, 2, 7, 8]) == [1, 9, 2, 7, 8]
+    with pytest.raises(ValueError, match=r"^a session with images must open on its prompt's expanded tokens \(5 of them\); these 4 tokens start otherwise$"):  # fmt: skip
+        opening.engine_tokens([1, 9, 2, 7])
 
 
 def test_a_dataset_with_images_gives_the_engine_and_the_model_their_prompts(vlm_folder, tmp_path):

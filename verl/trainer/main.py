@@ -236,11 +236,11 @@ def check_inputs(config: PPOConfig, download: bool = False) -> str:
 
 
 def check_image_run(config: PPOConfig, images: ImageSettings) -> None:
-    """A run on data with images: the rollouts it supports so far (draft-only, and mix mode's
-    whole guidance responses), and a guidance that preprocesses an image as the draft does."""
+    """A run on data with images: single-turn rollouts (multi-turn episodes with images are not
+    supported yet), and a guidance that preprocesses an image as the draft does."""
     data, guidance = config.data, config.worker.rollout.offpolicy_guidance
-    if config.worker.rollout.multi_turn.enable or (guidance.enable and guidance.mode != "mix"):
-        raise ConfigError(f"data.train_files: {data.train_files!r} has images ({data.image_key!r}), which run in the draft-only and mix rollouts alone so far; valid: worker.rollout.offpolicy_guidance.enable=false or offpolicy_guidance.mode=mix, and worker.rollout.multi_turn.enable=false, or data without images")  # fmt: skip
+    if config.worker.rollout.multi_turn.enable:
+        raise ConfigError(f"data.train_files: {data.train_files!r} has images ({data.image_key!r}), which run in single-turn rollouts alone so far; valid: worker.rollout.multi_turn.enable=false, or data without images")  # fmt: skip
     if guidance.enable:
         from verl.utils.model_path import resolve_model_path
         from verl.utils.vision import load_processor

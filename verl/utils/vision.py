@@ -228,6 +228,31 @@ class VisionPrompt:
     images: list
     """The RGB PIL images, for the engine's `multi_modal_data`."""
 
+    def opening(self) -> ImagePrompt:
+        """The prompt as an engine session opens it."""
+        return ImagePrompt(self.raw_prompt_ids, self.input_ids, {"image": self.images})
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt with images as an engine session opens it: the caller speaks the model's
+    (expanded) tokens throughout, the engine gets `raw` with `data` once, at the opening."""
+
+    raw: list[int]
+    """The engine's tokens: one image pad per image."""
+    expanded: list[int]
+    """The model's tokens: one image pad per merged patch (what the engine runs)."""
+    data: dict
+    """The engine's `multi_modal_data` ({"image": [PIL images]})."""
+
+    def engine_tokens(self, tokens: list[int]) -> list[int]:
+        """`tokens` (the expanded prompt, then anything after it) as the engine opens them: the
+        raw prompt, then the same continuation."""
+        n = len(self.expanded)
+        if list(tokens[:n]) != list(self.expanded):
+            raise ValueError(f"a session with images must open on its prompt's expanded tokens ({n} of them); these {len(tokens)} tokens start otherwise")  # fmt: skip
+        return [*self.raw, *tokens[n:]]
+
 
 def encode_vision_prompt(processor, prompt: str, images: list, where: str,
                          system_prompt: str | None = None) -> VisionPrompt:  # fmt: skip

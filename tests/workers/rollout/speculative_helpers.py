@@ -11,14 +11,18 @@ from verl.workers.rollout.speculative import ListedRows
 D = torch.float64
 
 
-def chi2_counts_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+def chi2_counts_pvalue(counts: torch.Tensor, probs: torch.Tensor, pool_below: float = 0.0) -> float:
     """Chi-square p-value of token `counts` against `probs` (cells of probability 0 left out and
-    required empty)."""
+    required empty; cells expected fewer than `pool_below` times pooled into one)."""
     keep = probs > 0
     assert counts[~keep].sum() == 0, "a token with zero probability was emitted"
-    expected = probs[keep] * counts.sum()
+    counts, expected = counts[keep].double(), probs[keep].double() * counts.sum()
+    rare = expected < pool_below
+    if rare.any():
+        counts = torch.cat([counts[~rare], counts[rare].sum()[None]])
+        expected = torch.cat([expected[~rare], expected[rare].sum()[None]])
     return chisquare(
-        counts[keep].numpy(), expected.numpy() * counts[keep].sum().item() / expected.sum().item()
+        counts.numpy(), expected.numpy() * counts.sum().item() / expected.sum().item()
     ).pvalue
 
 

@@ -183,9 +183,9 @@ def test_a_weight_sync_reaches_the_vision_tower(vlm):
 
 
 def test_a_session_opened_with_images_rewinds_and_scores_exactly(vlm):
-    """Speculative guidance's sessions with an image (`SessionEngine.add(..., images=)`): the
-    first chunk holds one pad per image and vLLM runs the processor's expanded prompt
-    (`prompt_ids`); its sampled tokens' and prompt rows' log-probs equal HF's (1e-4); a rewind
+    """Speculative guidance's sessions with an image (`SessionEngine.expect`): the first chunk
+    gives the processor's expanded prompt, the engine opens it as one pad per image plus the
+    image and runs the same expanded sequence (`prompt_ids`); its sampled tokens' and prompt rows' log-probs equal HF's (1e-4); a rewind
     given the expanded sequence with the last sampled tokens replaced keeps the image and scores
     the new token and samples after it exactly."""
     from verl.workers.rollout.vllm_sessions import SessionEngine, scoring_params
@@ -194,8 +194,8 @@ def test_a_session_opened_with_images_rewinds_and_scores_exactly(vlm):
     prompt = prompts(processor)[0]
     engine = SessionEngine(llm)
     params = scoring_params(4, 5, {"temperature": 1.0})
-    out = engine.run([("img", prompt.raw_prompt_ids, 4, None)], lambda *_: params,
-                     images={"img": {"image": prompt.images}})["img"]  # fmt: skip
+    engine.expect({"img": prompt.opening()})
+    out = engine.run([("img", prompt.input_ids, 4, None)], lambda *_: params)["img"]
     try:
         assert engine.prompt_ids("img") == prompt.input_ids  # vLLM expands as the processor does
         tokens = list(out.token_ids)
@@ -222,3 +222,24 @@ def test_a_session_opened_with_images_rewinds_and_scores_exactly(vlm):
         assert torch.allclose(torch.tensor(values[:, 0]), rows[2 + torch.arange(2), torch.tensor(again.token_ids)], atol=1e-4)  # fmt: skip
     finally:
         engine.close()
+
+
+def test_a_session_whose_images_expand_otherwise_is_refused(vlm):
+    """A session opened with an expanded prompt that is not what vLLM makes of the images (here
+    one image pad short, as a processor with another pixel budget would give) is refused in one
+    line naming the session and both lengths, before it runs."""
+    from verl.utils.vision import ImagePrompt
+    from verl.workers.rollout.vllm_sessions import SessionEngine, scoring_params
+
+    _, processor, _, llm = vlm
+    prompt = prompts(processor)[0]
+    pad = processor.image_token_id
+    short = list(prompt.input_ids)
+    del short[short.index(pad)]
+    engine = SessionEngine(llm)
+    engine.expect({"s": ImagePrompt(prompt.raw_prompt_ids, short, {"image": prompt.images})})
+    P = len(prompt.input_ids)
+    with pytest.raises(ValueError, match=rf"^session s: vLLM expanded the prompt's images to {P + 1} tokens, the model's processor to {P}; both must run one image processor"):  # fmt: skip
+        engine.run([("s", [*short, 5], 1, None)], lambda *_: scoring_params(1, 1, {}))
+    assert engine.session_ids == []
+    engine.close()

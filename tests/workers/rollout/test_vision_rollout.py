@@ -2,7 +2,11 @@
 a batch from the image dataset's collate goes out with the model's expanded prompts, mix mode
 gives exactly `mix_num_samples` guidance responses per prompt, and every response's behavior
 log-probs are the emitting model's, equal to a plain HF forward with the images (1e-4); the
-draft-only rollout likewise."""
+draft-only rollout likewise. Speculative guidance with images (sessions on both engines opened
+with the image, then rewound round after round): every token's behavior is log((1-λ)p + λq),
+its rollout and guidance log-probs p and q, all from HF forwards (log-probs list the whole
+128-token vocabulary, so q̃ = q); at λ = 0 the guidance scores the draft's responses by prefill;
+with a teacher prefix λ_t = 1 on its tokens."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import os
 
 import pytest
 import torch
+from speculative_helpers import chi2_counts_pvalue
 
 from verl.protocol import DataProto
 
@@ -55,15 +60,17 @@ def rollout(pair):
         yield engine
 
 
-def batch(dataset, **meta) -> DataProto:
+def batch(dataset, rows: int | None = None, **meta) -> DataProto:
+    """The first `rows` (None: all) of `dataset` collated, with `meta`."""
     from verl.utils.dataset import collate
 
-    items = [dataset[i] for i in range(len(dataset))]
+    items = [dataset[i] for i in range(len(dataset) if rows is None else rows)]
     return DataProto.from_single_dict(collate(items, 64, 0), meta_info=meta)
 
 
-def hf_log_probs(path: str, vision, response: list[int]) -> torch.Tensor:
-    """log p(response token | expanded prompt with its images, earlier tokens): one HF forward."""
+def hf_log_probs(path: str, vision, response: list[int], whole: bool = False) -> torch.Tensor:
+    """log p(response token | expanded prompt with its images, earlier tokens): one HF forward
+    (`whole`: every row (T, V) instead)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from verl.utils.vision import mm_token_type_ids, vision_token_ids
@@ -76,6 +83,8 @@ def hf_log_probs(path: str, vision, response: list[int]) -> torch.Tensor:
     rows = logits[len(vision.input_ids) - 1 : -1].float()
     rows[:, list(vision_token_ids(model.config))] = float("-inf")  # the engines never emit them
     rows = torch.log_softmax(rows, -1)
+    if whole:
+        return rows
     return rows.gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
@@ -100,3 +109,92 @@ def test_responses_after_images_carry_the_emitting_models_log_probs(pair, rollou
         expected = hf_log_probs(guide if guided[row] else draft, vision, response)
         assert torch.allclose(behavior[row][mask[row]], expected, atol=1e-4), row
     assert len(out.non_tensor_batch["multi_modal_inputs"]) == len(mask)  # the actor's image inputs
+
+
+LAM = 0.5
+
+
+@pytest.fixture(scope="module")
+def speculative(pair):
+    from transformers import AutoTokenizer
+
+    from verl.workers.rollout.config import RolloutConfig
+    from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
+
+    draft, guidance, _ = pair
+    tok = AutoTokenizer.from_pretrained(draft)
+    cfg = RolloutConfig(n=N, temperature=1.0, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.02,
+                        prompt_length=64, response_length=8, seed=0)  # fmt: skip
+    g = cfg.offpolicy_guidance
+    g.enable, g.model_path, g.dtype, g.gpu_memory_utilization, g.logprobs = (
+        True,
+        guidance,
+        "float32",
+        0.02,
+        128,
+    )
+    g.lam, g.num_speculative_tokens = LAM, 3
+    cfg.validate("worker.rollout")
+    with VLLMRollout(draft, cfg, tok.eos_token_id, tok.pad_token_id) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize(
+    "meta", [{}, {"lam": 0.0}, {"prefix_fraction": 0.5}], ids=["lam", "prefill", "prefix"]
+)
+def test_speculative_guidance_after_images_is_exact(pair, speculative, meta):
+    """λ = 0.5: μ = log((1-λ)p + λq) per token; λ = 0 (`teacher_only_prefill`): μ = p and the
+    guidance's q of every draft token by prefill; a teacher prefix of half the 8 tokens: λ_t = 1
+    on the first 4 (μ = q there), 0.5 after."""
+    draft, guide, dataset = pair
+    out = speculative.generate_sequences(batch(dataset, **meta))
+    b = out.batch
+    mask = b["response_mask"].bool()
+    assert mask.sum() > 0
+    for row in range(len(mask)):
+        vision = dataset[row // N][4]
+        prompt = b["prompts"][row][
+            b["attention_mask"][row, : b["prompts"].shape[1]].bool()
+        ].tolist()
+        assert prompt == vision.input_ids
+        response = b["responses"][row][mask[row]].tolist()
+        at = torch.tensor(response)[:, None]
+        p = hf_log_probs(draft, vision, response, whole=True).double()
+        q = hf_log_probs(guide, vision, response, whole=True).double()
+        lam = torch.full(
+            (len(response),), 0.0 if meta.get("lam") == 0.0 else LAM, dtype=torch.float64
+        )
+        if "prefix_fraction" in meta:
+            lam[:4] = 1.0
+        mu = torch.logsumexp(torch.stack([p + (1 - lam[:, None]).log(), q + lam[:, None].log()]), 0)
+        for key, expected in (
+            ("behavior_log_probs", mu),
+            ("rollout_log_probs", p),
+            ("guidance_log_probs", q),
+        ):
+            got = b[key][row][mask[row]].double()
+            torch.testing.assert_close(
+                got, expected.gather(-1, at)[:, 0], rtol=0, atol=1e-4, msg=f"{key} row {row}"
+            )
+
+
+def test_first_guided_tokens_after_an_image_follow_q_lambda(pair, speculative):
+    """3,000 first tokens of one image prompt under speculative guidance (λ = 0.5, one token each:
+    the draft proposes in its session opened with the image, the guidance verifies in its own)
+    against (1-λ)p + λq from HF forwards: a chi-square test at the 1e-3 level (cells expected
+    fewer than 5 times pooled); the image markers never. Both models are random, so the target is
+    spread wide (the test has power over many cells)."""
+    draft, guide, dataset = pair
+    samples = 3000
+    out = speculative.generate_sequences(batch(dataset, rows=1, n=samples, max_tokens=1))
+    first = out.batch["responses"][:, 0]
+    vision = dataset[0][4]
+    target = (1 - LAM) * first_row(draft, vision) + LAM * first_row(guide, vision)
+    assert (target * samples >= 5).sum() >= 20
+    counts = torch.bincount(first, minlength=len(target))
+    assert chi2_counts_pvalue(counts, target, pool_below=5) > 1e-3
+
+
+def first_row(path: str, vision) -> torch.Tensor:
+    """(V,) the model's next-token probabilities after the prompt with its image (HF forward)."""
+    return hf_log_probs(path, vision, [0], whole=True)[0].double().exp()

@@ -242,6 +242,10 @@ class _Server:
     def close(self, session_ids=None) -> None:
         self.sessions.close(session_ids)
 
+    def expect(self, openings: dict) -> None:
+        """Sessions to open with images (`SessionEngine.expect`)."""
+        self.sessions.expect(openings)
+
     def generate(self, prompts: list[list[int]], params: list[dict], images: list | None = None) -> list[tuple]:  # fmt: skip
         """Plain sampling: per prompt (token ids, log-prob of each sampled token); `images`: each
         prompt's `multi_modal_data` (one image pad per image in its tokens), or None."""

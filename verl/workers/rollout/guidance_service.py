@@ -81,6 +81,8 @@ class GuidanceService:
         if op == "score":
             chunks = [(prefix + sid, *rest) for sid, *rest in args[0]]
             return server.score(chunks, *args[1:])
+        if op == "expect":
+            return server.expect({prefix + sid: im for sid, im in args[0].items()})
         if op == "close":
             ids = args[0] if args and args[0] is not None else None
             open_ids = server.sessions.session_ids if server.sessions is not None else []

@@ -27,7 +27,7 @@ import numpy as np
 from verl.trainer.core_algos.guidance import LAM_GATES
 from verl.trainer.core_algos.guide_when import prefix_lengths
 from verl.utils.registry import Registry
-from verl.utils.vision import engine_inputs
+from verl.utils.vision import ImagePrompt, engine_inputs
 from verl.workers.rollout.config import OffPolicyGuidanceConfig
 from verl.workers.rollout.context import RolloutContext
 from verl.workers.rollout.speculative import GuidedSequence, ListedRows, RoundStats
@@ -49,9 +49,19 @@ class Job:
     """The step's λ (0.0 without guidance)."""
     meta: dict
     """The batch's meta_info (e.g. `entropy_threshold`)."""
-    images: list[dict | None] | None = None
-    """Per sequence the engine's `multi_modal_data` ({"image": [...]}; None: text), or None for a
-    text batch; `prompts` then hold one image pad per image (draft-only and mix modes only)."""
+    images: list[ImagePrompt | None] | None = None
+    """Per sequence its prompt's images as the engines open them (None: text), or None for a
+    text batch; `prompts` hold the model's expanded tokens either way."""
+
+    def engine_prompts(self, rows: list[int] | None = None) -> tuple[list[list[int]], list | None]:
+        """The prompts of `rows` (None: all) as an engine samples them whole: token ids with one
+        image pad per image, and each one's `multi_modal_data` (None for a text batch)."""
+        rows = range(len(self.prompts)) if rows is None else rows
+        if self.images is None:
+            return [self.prompts[i] for i in rows], None
+        opened = [self.images[i] for i in rows]
+        prompts = [self.prompts[i] if im is None else im.engine_tokens(self.prompts[i]) for i, im in zip(rows, opened, strict=True)]  # fmt: skip
+        return prompts, [None if im is None else im.data for im in opened]
 
 
 @dataclass
@@ -120,9 +130,10 @@ def whole_response(
 
 
 def draft_responses(
-    ctx: RolloutContext, prompts: list[list[int]], seeds: np.ndarray, images: list | None = None
+    ctx: RolloutContext, prompts: list[list[int]], images: list | None, seeds: np.ndarray
 ) -> list[GuidedSequence]:
-    """Whole responses from the draft engine, one seed per prompt (`whole_response`)."""
+    """Whole responses from the draft engine, one seed per prompt (`whole_response`); `prompts`
+    and `images` as `Job.engine_prompts` gives them."""
     params = [ctx.draft_params(ctx.max_tokens, 1, int(s)) for s in seeds]
     outputs = ctx.engines.draft.generate(
         engine_inputs(prompts, images),
@@ -135,7 +146,7 @@ def draft_responses(
 @GENERATION_MODES.register("draft_only")
 def draft_only(ctx: RolloutContext, job: Job) -> Generated:
     """Whole responses from the draft engine, one seed per sequence."""
-    return Generated(draft_responses(ctx, job.prompts, job.seeds[:, 0], job.images))
+    return Generated(draft_responses(ctx, *job.engine_prompts(), job.seeds[:, 0]))
 
 
 @GENERATION_MODES.register("mix")
@@ -143,20 +154,19 @@ def mix(ctx: RolloutContext, job: Job) -> Generated:
     """The first `mix_num_samples` (`guided_per_prompt`) of each prompt's n samples from the
     guidance (its process samples them while the draft engine samples the rest here), the
     others from the draft."""
-    prompts, n, seeds = job.prompts, job.n, job.seeds[:, 0]
+    n, seeds = job.n, job.seeds[:, 0]
     k = guided_per_prompt(ctx.config.offpolicy_guidance, job.meta, n)
-    rows = {g: [i for i in range(len(prompts)) if (i % n < k) == g] for g in (True, False)}
-    seqs: list = [None] * len(prompts)
+    rows = {g: [i for i in range(len(job.prompts)) if (i % n < k) == g] for g in (True, False)}
+    seqs: list = [None] * len(job.prompts)
     if rows[True]:
         processing = ctx.guidance_processing()
         params = [
             ctx.sampling_kwargs(ctx.max_tokens, 1, int(seeds[i]), **processing) for i in rows[True]
         ]
-        images = [job.images[i] for i in rows[True]] if job.images is not None else None
-        ctx.engines.guidance.submit("generate", [prompts[i] for i in rows[True]], params, images)
+        prompts, images = job.engine_prompts(rows[True])
+        ctx.engines.guidance.submit("generate", prompts, params, images)
     if rows[False]:
-        images = [job.images[i] for i in rows[False]] if job.images is not None else None
-        draft = draft_responses(ctx, [prompts[i] for i in rows[False]], seeds[rows[False]], images)
+        draft = draft_responses(ctx, *job.engine_prompts(rows[False]), seeds[rows[False]])
         for i, seq in zip(rows[False], draft, strict=True):
             seqs[i] = seq
     if rows[True]:
@@ -170,18 +180,22 @@ def teacher_only_prefill(ctx: RolloutContext, job: Job) -> Generated:
     """λ = 0 by prefill: the draft samples whole responses, then the guidance scores each in
     one prefill; on CPU each engine has every core while it works (the other idles)."""
     with ctx.cores_to("draft"):
-        seqs = draft_responses(ctx, job.prompts, job.seeds[:, 0])
+        seqs = draft_responses(ctx, *job.engine_prompts(), job.seeds[:, 0])
     with ctx.cores_to("guidance"):
-        teacher_prefill(ctx, job.prompts, seqs)
+        teacher_prefill(ctx, job.prompts, seqs, job.images)
     return Generated(seqs)
 
 
 def teacher_prefill(
-    ctx: RolloutContext, prompts: list[list[int]], seqs: list[GuidedSequence]
+    ctx: RolloutContext,
+    prompts: list[list[int]],
+    seqs: list[GuidedSequence],
+    images: list[ImagePrompt | None] | None = None,
 ) -> None:
     """Score whole sampled sequences on the guidance engine, one prefill each (in waves its
     KV cache holds), and set their `guidance_log_probs` to its processed log q of every
-    response token (column 0 of a prompt log-prob row is the scored token itself)."""
+    response token (column 0 of a prompt log-prob row is the scored token itself); `images`
+    as `Job.images` (`prompts` then expanded)."""
     guidance = ctx.engines.guidance
     longest = max(len(p) + len(s.tokens) for p, s in zip(prompts, seqs, strict=True)) + 1
     size = guidance.call("capacity", longest)
@@ -189,6 +203,8 @@ def teacher_prefill(
         wave = ctx.waves.next()
         part = range(start, min(start + size, len(seqs)))
         chunks = [(f"t{wave}-{i}", prompts[i] + seqs[i].tokens, 1, None) for i in part]
+        if images is not None and any(images[i] for i in part):
+            guidance.call("expect", {f"t{wave}-{i}": images[i] for i in part if images[i]})
         rows = [(len(prompts[i]) - 1, len(seqs[i].tokens)) for i in part]
         (ids, values), _, computed = guidance.call(
             "score", chunks, rows, ctx.num_logprobs, ctx.guidance_processing()
@@ -217,7 +233,7 @@ def speculative(ctx: RolloutContext, job: Job) -> Generated:
     guided, gate = guided_rows(guidance, job)
     prefix = prefix_lengths(prefix_fraction(guidance, job.meta), ctx.max_tokens,
                             guidance.prefix_draw, job.seeds[:, 1], guided)  # fmt: skip
-    seqs, stats = speculative_waves(ctx, job.prompts, job.lam, job.seeds, guided, gate, prefix)
+    seqs, stats = speculative_waves(ctx, job.prompts, job.lam, job.seeds, guided, gate, prefix, job.images)  # fmt: skip
     return Generated(seqs, stats, guided)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from verl.utils.vision import ImagePrompt
 from verl.workers.rollout.context import RolloutContext
 from verl.workers.rollout.guidance_server import GuidanceChannel
 from verl.workers.rollout.packing import Counters
@@ -38,12 +39,14 @@ def speculative_waves(
     guided: np.ndarray,
     gate: Callable[[np.ndarray], np.ndarray] | None,
     prefix: np.ndarray | None = None,
+    images: list[ImagePrompt | None] | None = None,
 ) -> tuple[list[GuidedSequence], RoundStats]:
     """Speculative guidance in waves of sequences whose sessions fit both KV caches at once
     (a session keeps its KV blocks from its first round to its last), each wave's sessions freed
     after it. Sequences not `guided` (B,) sample the draft alone (λ_t = 0); `gate` maps draft
     entropies to λ_t / λ; `prefix` (B,) the teacher prefix j of each sequence (λ_t = 1 on its
-    first j tokens; None: none); `seeds` (B, 2) as `sequence_seeds`."""
+    first j tokens; None: none); `seeds` (B, 2) as `sequence_seeds`; `images` (B,) each
+    prompt's images as `run_rounds` takes them."""
     size = wave_size(ctx, [len(p) for p in prompts], ctx.max_tokens)
     seqs, stats = [], RoundStats()
     for start in range(0, len(prompts), size):
@@ -59,6 +62,7 @@ def speculative_waves(
                 guided[part],
                 gate,
                 prefix=None if prefix is None else prefix[part],
+                images=None if images is None else images[part],
             )
         for batch in batches:
             seqs.extend(batch.seqs)
@@ -101,6 +105,7 @@ def run_rounds(
     ids: list[int] | None = None,
     prefix: np.ndarray | None = None,
     refill: Refill | None = None,
+    images: list[ImagePrompt | None] | None = None,
 ) -> list[SpeculativeBatch]:
     """Speculative rounds until every sequence of `prompts` ended, in `pipeline_groups` batches
     run overlapped; the sessions stay open (`sessions_freed` frees them). `ids` (B,) name each
@@ -111,9 +116,12 @@ def run_rounds(
     `SpeculativeBatch`'s, b the sequence's row here; `seeds` (B, 2) as `sequence_seeds` (the
     draft's sampling seed applies to a session's first chunk); `prefix` (B,) teacher prefix
     lengths as `SpeculativeBatch`'s (None: none); `refill` resumes ended sequences while the
-    rounds run (`overlapped_generate`: an episode's next turn under the same id)."""
+    rounds run (`overlapped_generate`: an episode's next turn under the same id). `images` (B,)
+    the `ImagePrompt` of each prompt with images (None: text): `prompts` then hold the model's
+    expanded tokens, and each new session opens with the images on both engines."""
     guidance = ctx.config.offpolicy_guidance
     ids = list(range(len(prompts))) if ids is None else list(ids)
+    expect_images(ctx, wave, ids, images)
     limits = [ctx.max_tokens] * len(prompts) if limits is None else list(limits)
     eos = None if ctx.ignore_eos else ctx.eos_token_id
     scale = guided.astype(np.float64)
@@ -142,6 +150,16 @@ def run_rounds(
         raise
     ctx.counters.lookups += draft.lookups
     return batches
+
+
+def expect_images(
+    ctx: RolloutContext, wave: int, ids: list[int], images: list[ImagePrompt | None] | None
+) -> None:
+    """Tell both engines which of the wave's sessions (by sequence id) open with images."""
+    with_images = [(i, im) for i, im in zip(ids, images or [None] * len(ids), strict=True) if im]
+    if with_images:
+        ctx.draft_sessions.expect({f"d{wave}-{i}": im for i, im in with_images})
+        ctx.engines.guidance.call("expect", {f"g{wave}-{i}": im for i, im in with_images})
 
 
 class GuidanceScorer:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from verl.protocol import DataProto
+from verl.utils.vision import ImagePrompt
 from verl.workers.rollout.config import RolloutConfig
 from verl.workers.rollout.context import RolloutContext, WaveCounter
 from verl.workers.rollout.engine_lifecycle import EngineLifecycle
@@ -111,8 +112,8 @@ class VLLMRollout(EngineLifecycle):
         if self.config.multi_turn.enable:  # the mode's multi-turn form (mix: refused by the config)
             mode = MULTI_TURN_MODES[mode]
         job = Job(repeated, n, seeds, lam, meta)
-        if "multi_modal_data" in prompts.non_tensor_batch:  # the engine's prompts: a pad per image
-            job.prompts, job.images = image_job(prompts.non_tensor_batch, n, mode)
+        if "multi_modal_data" in prompts.non_tensor_batch:  # a batch with images
+            job.images = image_job(prompts.non_tensor_batch, prompt_ids, n, mode)
         result = GENERATION_MODES.get(mode)(ctx, job)
         if result.packed is not None:
             out = multi_turn_dataproto(self.config.offpolicy_guidance, self.config.prompt_length,
@@ -128,13 +129,17 @@ class VLLMRollout(EngineLifecycle):
         return out
 
 
-def image_job(rows: dict, n: int, mode: str) -> tuple[list[list[int]], list]:
-    """The engine's prompts (one image pad per image, `raw_prompt_ids`) and images of a batch with
-    images, each repeated n times; images run in the draft-only and mix modes so far."""
-    if mode not in ("draft_only", "mix"):
-        raise ValueError(f"a batch with images needs the draft-only or mix rollout; this one runs {mode!r} (speculative guidance, prefill scoring and multi-turn with images are not supported yet)")  # fmt: skip
-    ids = [list(map(int, p)) for p in rows["raw_prompt_ids"] for _ in range(n)]
-    return ids, [m for m in rows["multi_modal_data"] for _ in range(n)]
+def image_job(
+    rows: dict, prompt_ids: list[list[int]], n: int, mode: str
+) -> list[ImagePrompt | None]:
+    """Per sequence (each prompt repeated n times) its images as the engines open them, from the
+    batch's `raw_prompt_ids`, `multi_modal_data` and the prompts' expanded `prompt_ids`; every
+    mode but the multi-turn ones runs images so far."""
+    if mode.startswith("multi_turn"):
+        raise ValueError(f"a batch with images runs single-turn rollouts; this one runs {mode!r} (multi-turn episodes with images are not supported yet)")  # fmt: skip
+    return [ImagePrompt(list(map(int, raw)), list(map(int, expanded)), data) if data else None
+            for raw, expanded, data in zip(rows["raw_prompt_ids"], prompt_ids, rows["multi_modal_data"], strict=True)
+            for _ in range(n)]  # fmt: skip
 
 
 def sequence_seeds(step_seed: int, first_row: int, rows: int, n: int, stage: int = 0) -> np.ndarray:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from verl_patches import vllm_session_rewind
 
+from verl.utils.vision import ImagePrompt
+
 
 @dataclass
 class ChunkOutput:
@@ -73,9 +75,8 @@ class SessionEngine:
         self._open: dict[str, object] = {}  # session id -> its first chunk's processed params
         self._running: dict[str, ChunkOutput] = {}  # session id -> its running chunk's output
         self._params: dict[tuple[str, int], object] = {}  # (session, max_tokens) -> params
-        self._prompts: dict[
-            str, list[int]
-        ] = {}  # session id -> its first chunk as the engine runs it
+        self._prompts: dict[str, list[int]] = {}  # session id -> its first chunk as run
+        self._expected: dict[str, ImagePrompt] = {}  # sessions to open with images (`expect`)
         self._scheduler = core.scheduler
         self._idle = 0  # engine steps in a row without output
         self.tokens_computed = 0
@@ -106,15 +107,14 @@ class SessionEngine:
         self,
         chunks: list[tuple[str, list[int], int, int | None]],
         new_params: Callable[[str, int], object],
-        images: dict[str, dict] | None = None,
     ) -> dict[str, ChunkOutput]:
         """Run one chunk per session and wait for all of them (`add`, then `step` until done).
 
         chunks: (session id, whole token sequence, max_tokens, recompute_from or None). A new
         session gets `new_params(session id, max_tokens)` (vLLM's SamplingParams); an open one
-        keeps its first chunk's parameters with the new `max_tokens`. `images`: as in `add`.
+        keeps its first chunk's parameters with the new `max_tokens`.
         """
-        return self._wait(self.add(chunks, new_params, images), [sid for sid, *_ in chunks])
+        return self._wait(self.add(chunks, new_params), [sid for sid, *_ in chunks])
 
     def _wait(self, outs: list[ChunkOutput], sids: list[str]) -> dict[str, ChunkOutput]:
         """Step the engine until the chunks `outs` of sessions `sids` stopped (other sessions'
@@ -170,28 +170,26 @@ class SessionEngine:
         self,
         chunks: list[tuple[str, list[int], int, int | None]],
         new_params: Callable[[str, int], object],
-        images: dict[str, dict] | None = None,
     ) -> list[ChunkOutput]:
         """Queue one chunk per session (as in `run`); they join the engine's next step. Returns
-        their outputs, which fill in place as the engine steps.
-
-        `images`: a new session's `multi_modal_data` by session id. Its first chunk's tokens then
-        hold one image pad per image, which vLLM expands (`prompt_ids` gives the expanded
-        sequence); every later chunk of the session gives its whole sequence expanded, the
-        image's positions kept (a rewind never reaches back into the prompt)."""
+        their outputs, which fill in place as the engine steps. A new session `expect`ed with
+        images opens on its prompt's expanded tokens, like every later chunk."""
         from vllm.inputs import TokensPrompt
 
         for sid, tokens, max_tokens, recompute_from in chunks:
             if sid in self._running:
                 raise RuntimeError(f"session {sid} already has a chunk running")
             if sid not in self._open:  # a new session: vLLM validates and completes the parameters
+                opening = self._expected.pop(sid, None)
                 # a copy: vLLM extends the request's token list in place as the session goes on
-                prompt = TokensPrompt(prompt_token_ids=list(tokens))
-                if images and images.get(sid):
-                    prompt["multi_modal_data"] = images[sid]
+                prompt = TokensPrompt(prompt_token_ids=list(tokens) if opening is None else opening.engine_tokens(tokens))  # fmt: skip
+                if opening is not None:
+                    prompt["multi_modal_data"] = opening.data
                 request = self._engine.input_processor.process_inputs(
                     sid, prompt, new_params(sid, max_tokens), supported_tasks=self._tasks, resumable=True,
                 )  # fmt: skip
+                if opening is not None and list(request.prompt_token_ids) != list(tokens):
+                    raise ValueError(f"session {sid}: vLLM expanded the prompt's images to {len(request.prompt_token_ids)} tokens, the model's processor to {len(tokens)}; both must run one image processor with one pixel budget (data.min_pixels / data.max_pixels)")  # fmt: skip
                 self._prompts[sid] = list(request.prompt_token_ids)
                 self._open[sid] = request.sampling_params
                 self._client.add_request(request)
@@ -199,6 +197,13 @@ class SessionEngine:
             else:  # a rewind: the first chunk's settings with the new tokens and limits
                 self._add_one(sid, tokens, self._rewind_params(sid, max_tokens, recompute_from))
         return [self._running[sid] for sid, *_ in chunks]
+
+    def expect(self, openings: dict[str, ImagePrompt]) -> None:
+        """Sessions to open with images (`ImagePrompt` by session id): each one's first chunk then
+        gives the expanded prompt (and what follows), which the engine opens as one image pad
+        per image plus the images, and checks that it expands them the same way. Kept until the
+        session opens or `close`."""
+        self._expected.update(openings)
 
     def _add_one(self, sid: str, tokens: list[int], params) -> list[ChunkOutput]:
         """Resume open session `sid` with `tokens` under `params` (a rewind); returns [its output]."""
@@ -266,6 +271,11 @@ class SessionEngine:
 
     def close(self, session_ids=None) -> None:
         """Free sessions (all open ones by default) and their KV cache."""
+        if session_ids is None:
+            self._expected.clear()
+        else:
+            for sid in session_ids:
+                self._expected.pop(sid, None)
         ids = sorted(self._open if session_ids is None else set(session_ids) & set(self._open))
         if ids:
             self._client.abort_requests(ids)
