@@ -1,5 +1,6 @@
 """Guided GRPO with images through the command line (speculative guidance at λ = 0.5 from a second
-tiny Qwen2.5-VL), on a folder of pictures to count written here: two steps whose draft engine
+tiny Qwen2.5-VL, for the prompts whose draft group fails: `guide_when: group_fails`, a second
+rollout stage on the selected rows and their images), on a folder of pictures to count written here: two steps whose draft engine
 log-probs equal the actor's (so the weight sync reached the vision tower too) and whose responses
 carry guidance tokens, checkpoints, a resume that repeats step 2, and an export that transformers
 and our processor load."""
@@ -38,7 +39,8 @@ def run(tmp_path, run_dir, resume: str = "none") -> list[dict]:
                       "model": {"model_path": str(tmp_path / "model")}, "optim": {"lr": 1e-3}},
             "rollout": {"n": 2, "dtype": "float32", "gpu_memory_utilization": 0.02, "enforce_eager": True,
                         "offpolicy_guidance": {"enable": True, "model_path": str(tmp_path / "guidance"), "lam": 0.5,
-                                               "dtype": "float32", "gpu_memory_utilization": 0.02}},
+                                               "dtype": "float32", "gpu_memory_utilization": 0.02,
+                                               "guide_when": "group_fails", "fail_below": 1.0}},
             "reward": {"reward_function": f"{tmp_path / 'reward.py'}:digit_share", "reward_type": "sequential"},
         },
         "trainer": {"max_steps": 2, "save_freq": 1, "logger": ["file"], "save_checkpoint_path": str(run_dir),
@@ -72,6 +74,7 @@ def test_two_steps_with_images_train_checkpoint_resume_and_export(tmp_path):
         assert abs(row["mismatch/kl_v2"]) < 1e-6 and abs(row["mismatch/kl_v1"]) < 1e-4
         assert row["response_length/mean"] > 0
         assert row["guidance/offpolicy_token_ratio"] > 0 and row["guidance/lambda"] == 0.5
+        assert row["guidance/guided_prompt_frac"] > 0  # the second stage re-ran failing prompts
     assert full[0]["actor/grad_norm"] > 0  # step 1 moved the weights step 2 sampled with
     export = tmp_path / "full" / "global_step_2" / "actor" / "hf"
     # the export loads in transformers, and both halves of the model moved
