@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from verl.utils.vision import vision_tower_prefix
+
 PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"
 ALL_LINEAR = "all-linear"
@@ -48,14 +50,27 @@ def target_list(target_modules: str) -> str | list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def vision_linears(model: nn.Module) -> list[str]:
+    """The Linear layers of a vision-language model's vision tower (and its merger), by name: LoRA
+    leaves them out, so the tower keeps its weights (empty for a text model)."""
+    prefix = vision_tower_prefix(model)
+    if prefix is None:
+        return []
+    return [
+        n for n, m in model.named_modules() if n.startswith(prefix) and isinstance(m, nn.Linear)
+    ]
+
+
 def apply_lora(model: nn.Module, lora) -> nn.Module:
     """`model` wrapped by PEFT with adapters of `lora` (a `LoraConfig` of the actor); the base
     weights frozen, A random and B zero, so the wrapped model starts as the base model. Every
-    adapted Linear is a `RoundOnceLinear`."""
+    adapted Linear is a `RoundOnceLinear`. A vision-language model's adapters go on its language
+    model alone: the vision tower gets none and stays frozen (`vision_linears`)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=target_list(lora.target_modules), bias="none")  # fmt: skip
+                        target_modules=target_list(lora.target_modules), bias="none",
+                        exclude_modules=vision_linears(model) or None)  # fmt: skip
     config._register_custom_module({nn.Linear: round_once_linear()})
     return get_peft_model(model, config)
 
@@ -242,6 +257,15 @@ class AdaptersOff(nn.Module):
         return self.peft_model.get_decoder()
 
 
+def hf_model(module: nn.Module) -> nn.Module:
+    """The Hugging Face model inside `module`: itself, a PEFT model's base (its adapted layers in
+    place, adapters active), or the PEFT model's base under `AdaptersOff` (for what does not depend
+    on the weights: the config, a vision-language model's rotary index)."""
+    if isinstance(module, AdaptersOff):
+        module = module.peft_model
+    return module.get_base_model() if is_lora(module) else module
+
+
 def save_adapter(model: nn.Module, state: dict[str, torch.Tensor], path: str) -> None:
     """The adapter alone in PEFT's format at `path` (`PeftModel.from_pretrained(base, path)`
     loads it), from the PEFT model's full state dict `state`."""
@@ -257,7 +281,8 @@ def save_adapter(model: nn.Module, state: dict[str, torch.Tensor], path: str) ->
 
 def check_lora_targets(lora, model_path: str, key: str = "worker.actor.model.lora") -> None:
     """One-line ValueError, before any weight is loaded, when the adapters cannot be built or
-    synced exactly: a target that names no Linear of the model (the model built on the meta
+    synced exactly: a target that names no Linear of the model (of its language model, for a
+    vision-language model) (the model built on the meta
     device from its config), a rank above a target's smaller side, or a target that is the LM
     head tied to the embeddings (the engine would get one merged matrix for both)."""
     from transformers import AutoConfig
@@ -267,7 +292,9 @@ def check_lora_targets(lora, model_path: str, key: str = "worker.actor.model.lor
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         model = auto_model_class(config).from_config(config)
-    linear = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    tower = set(vision_linears(model))  # never adapted
+    tower_prefix = vision_tower_prefix(model) or "\0"
+    linear = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in tower}
     head = next((n for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
     targets = target_list(lora.target_modules)
     if targets == ALL_LINEAR:
@@ -278,7 +305,8 @@ def check_lora_targets(lora, model_path: str, key: str = "worker.actor.model.lor
         names = dict(model.named_modules())
         chosen = {}
         for target in targets:
-            hits = [n for n in names if n == target or n.endswith("." + target)]
+            hits = [n for n in names if (n == target or n.endswith("." + target))
+                    and not n.startswith(tower_prefix)]  # fmt: skip
             bad = [n for n in hits if n not in linear]
             if not hits or bad:
                 tied = getattr(config, "tie_word_embeddings", False)

@@ -126,10 +126,23 @@ def vision_token_ids(config_or_path) -> tuple[int, ...]:
     return tuple(sorted({int(config[k]) for k in VISION_TOKEN_KEYS if config.get(k) is not None}))
 
 
+def vision_tower(model):
+    """A vision-language model's vision tower (`model.visual`, Qwen2.5-VL's), or None."""
+    return getattr(getattr(model, "model", None), "visual", None)
+
+
+def vision_tower_prefix(model) -> str | None:
+    """The vision tower's module name within `model` plus a dot ("model.visual."), or None."""
+    tower = vision_tower(model)
+    if tower is None:
+        return None
+    return next(name for name, m in model.named_modules() if m is tower) + "."
+
+
 def freeze_vision_tower(model) -> int:
     """Stop gradients into a vision-language model's vision tower (`model.visual`, Qwen2.5-VL's);
     returns how many parameters were frozen. A model without one is refused in one line."""
-    tower = getattr(getattr(model, "model", None), "visual", None)
+    tower = vision_tower(model)
     if tower is None:
         raise ValueError(f"worker.actor.model.freeze_vision_tower: {type(model).__name__} has no vision tower (model.visual); valid: false for a text model")  # fmt: skip
     tower.requires_grad_(False)

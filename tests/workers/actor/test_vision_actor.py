@@ -177,3 +177,57 @@ def test_ids_left_out_have_zero_probability_and_finite_gradients():
     )
     (out["log_probs"] + out["entropy"]).sum().backward()
     assert torch.isfinite(logits.grad).all() and logits.grad[0, 2] == 0
+
+
+def test_lora_adapts_the_language_model_alone_and_its_reference_sees_the_images(vlm, batch):
+    """LoRA on a vision-language model (`apply_lora`): adapters on the language model's Linear
+    layers only, none in the vision tower, which stays frozen; an update moves adapter weights
+    alone; then the actor (adapters on) and its reference (`AdaptersOff`, the base model) compute
+    log-probs with the images, padding-free, through the PEFT wrappers: the reference equals a
+    plain HF forward of the base model (2e-5) and the actor does not (the adapters moved)."""
+    import copy
+
+    from verl.utils.lora import AdaptersOff, apply_lora
+    from verl.workers.actor.config import LoraConfig
+
+    model, _ = vlm
+    data, prompts, lengths = batch
+    peft = apply_lora(copy.deepcopy(model), LoraConfig(rank=4, alpha=8)).train()
+    adapted = [n for n, _ in peft.named_parameters() if ".lora_" in n]
+    assert adapted and not any(".visual." in n for n in adapted)
+    assert all(".lora_" in n for n, p in peft.named_parameters() if p.requires_grad)
+    moved = one_update(peft, data)
+    assert moved and all(".lora_B." in n or ".lora_A." in n for n in moved)
+    assert any(".lora_B." in n for n in moved)  # B starts at 0: the adapters now change the output
+    want = reference(model, prompts, data, lengths)
+    mask = data.batch["response_mask"].bool()
+    config = ActorConfig(micro_batch_size_per_device_for_experience=4, padding_free=True)
+    for module, equal in ((AdaptersOff(peft), True), (peft, False)):
+        got = (
+            DataParallelPPOActor(config, module.eval())
+            .compute_log_prob(data)
+            .batch["old_log_probs"]
+        )
+        assert torch.allclose(got[mask], want["log_probs"][mask], atol=2e-5) == equal
+
+
+def test_lora_targets_of_a_vision_language_model_are_its_language_models(tmp_path):
+    """`check_lora_targets` before any weight loads: a name only the vision tower has (`qkv`) is
+    refused in one line listing the language model's Linear names; one both have (`gate_proj`)
+    is valid and adapts the language model's alone."""
+    from verl.tasks.tiny_vlm import save_tiny_vlm
+    from verl.utils.lora import check_lora_targets
+    from verl.workers.actor.config import LoraConfig
+
+    path = save_tiny_vlm(str(tmp_path / "m"))
+    with pytest.raises(ValueError, match=r"^worker.actor.model.lora.target_modules: 'qkv' names no module of .*; valid: all-linear or Linear names: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj$"):  # fmt: skip
+        check_lora_targets(LoraConfig(rank=4, target_modules="qkv"), path)
+    both = LoraConfig(rank=4, target_modules="gate_proj")
+    check_lora_targets(both, path)
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from verl.utils.lora import apply_lora
+
+    peft = apply_lora(Qwen2_5_VLForConditionalGeneration.from_pretrained(path), both)
+    adapted = {n.split(".lora_")[0] for n, _ in peft.named_parameters() if ".lora_" in n}
+    assert adapted and all(".language_model." in n and n.endswith("gate_proj") for n in adapted)

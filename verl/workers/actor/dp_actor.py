@@ -29,6 +29,7 @@ from verl.trainer.core_algos.kl import kl_penalty
 from verl.trainer.core_algos.policy_loss import agg_loss, get_policy_loss_fn
 from verl.trainer.core_algos.sum_pi_squared import softmax_statistics
 from verl.utils import metric_names as M
+from verl.utils.lora import hf_model
 from verl.utils.vision import vision_token_ids
 from verl.workers.actor.config import ActorConfig
 
@@ -188,7 +189,7 @@ class DataParallelPPOActor:
         self.policy_loss_fn = get_policy_loss_fn(config.policy_loss.loss_type)
         self.packed_row_tokens: int | None = None
         """Padding-free: most tokens per packed row (None: `_packed_row_budget`'s rule)."""
-        banned = vision_token_ids(getattr(actor_module, "config", {}))
+        banned = vision_token_ids(getattr(hf_model(actor_module), "config", {}))
         self.banned = torch.tensor(banned, dtype=torch.long) if banned else None
         """A vision-language model's image markers: left out of π's log-softmax (logits -inf), as
         the engines leave them out of μ (`verl.utils.vision.vision_token_ids`)."""
@@ -284,8 +285,8 @@ class DataParallelPPOActor:
         micro-batch's row-major order); elsewhere the text positions."""
         items = micro[VISION_KEY]
         ids, attn = micro["input_ids"], micro["attention_mask"].bool()
-        rope_index = self.actor_module.model.get_rope_index
-        image_token = self.actor_module.config.image_token_id
+        model = hf_model(self.actor_module)  # through LoRA's wrappers
+        rope_index, image_token = model.model.get_rope_index, model.config.image_token_id
         sections = []
         for i in range(len(ids)):
             tokens = ids[i][attn[i]][None]
@@ -338,7 +339,7 @@ class DataParallelPPOActor:
         with root_unsharded(self.actor_module):
             # with images the whole multimodal model (vision tower, then the decoder)
             body = (
-                self.actor_module.model
+                hf_model(self.actor_module).model
                 if "pixel_values" in kwargs
                 else self.actor_module.get_decoder()
             )
