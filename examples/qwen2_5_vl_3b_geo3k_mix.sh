@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Vision-language GRPO on geometry3k (EasyR1's recipe) with mix-mode guidance: a Qwen2.5-VL-3B
 # draft, 1 of each prompt's 8 responses whole from Qwen2.5-VL-7B (same tokenizer and image
-# processor, checked before Ray starts). Images run in every single-turn rollout (README_guidance.md,
+# processor, checked before Ray starts). Images run in every rollout (README_guidance.md,
 # "Vision-language models"): worker.rollout.offpolicy_guidance.mode=speculative as an override
 # guides token by token with exact μ; DRAFT_ONLY=1 trains without guidance.
 # Hardware: one node, 8 x 80 GB GPUs.

@@ -130,21 +130,15 @@ def config_args(model: str, data: str, tmp_path) -> list[str]:
             "worker.rollout.offpolicy_guidance.enable=true"]  # fmt: skip
 
 
-def test_image_runs_are_refused_before_ray(tmp_path):
-    """Data with images and multi-turn episodes (not supported yet): one line from `prepare`,
-    which runs before Ray starts, naming the key that would make the run valid; so is a guidance
-    whose image processor differs from the draft's."""
+def test_a_guidance_that_preprocesses_images_otherwise_is_refused_before_ray(tmp_path):
+    """A guidance whose image processor differs from the draft's (another pixel budget): one line
+    from `prepare`, which runs before Ray starts, naming the first difference."""
     from verl.tasks.tiny_vlm import TinyVLMSpec, save_tiny_vlm, write_count_data
     from verl.trainer.config import ConfigError, load_config
     from verl.trainer.main import prepare
 
     model = save_tiny_vlm(str(tmp_path / "model"))
     data = write_count_data(str(tmp_path / "data"), 4)
-    config = load_config([*config_args(model, data, tmp_path), f"worker.rollout.offpolicy_guidance.model_path={model}",
-                          "worker.rollout.multi_turn.enable=true", "worker.rollout.multi_turn.tools=[calculator]",
-                          "data.max_prompt_length=2048"])  # fmt: skip
-    with pytest.raises(ConfigError, match=r"^data.train_files: .* has images \('images'\), which run in single-turn rollouts alone so far; valid: worker.rollout.multi_turn.enable=false"):  # fmt: skip
-        prepare(config)
     other = save_tiny_vlm(str(tmp_path / "other"), TinyVLMSpec(max_pixels=36 * 28 * 28))
     config = load_config([*config_args(model, data, tmp_path), f"worker.rollout.offpolicy_guidance.model_path={other}"])  # fmt: skip
     with pytest.raises(ConfigError, match=r"^worker.rollout.offpolicy_guidance.model_path: .* preprocesses images unlike the draft \(size: \{'longest_edge': 28224, 'shortest_edge': 3136\} against \{'longest_edge': 12544"):  # fmt: skip

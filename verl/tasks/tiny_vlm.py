@@ -56,6 +56,8 @@ class TinyVLMSpec:
     """Smallest image area after resizing (pixels): at least 4 image tokens."""
     max_pixels: int = 16 * (PATCH * MERGE) ** 2
     """Largest image area after resizing (pixels): at most 16 image tokens."""
+    tie_word_embeddings: bool = True
+    """The LM head shares the embedding matrix."""
     seed: int = 0
     """Initialisation seed."""
 
@@ -78,7 +80,7 @@ def build_image_processor(spec: TinyVLMSpec):
 
 def build_tiny_qwen2_5_vl(spec: TinyVLMSpec, tokenizer=None):
     """A randomly initialised Qwen2_5_VLForConditionalGeneration of `spec` whose special ids match
-    the tokenizer (tied embeddings)."""
+    the tokenizer."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     tokenizer = tokenizer or build_vlm_tokenizer()
@@ -98,7 +100,7 @@ def build_tiny_qwen2_5_vl(spec: TinyVLMSpec, tokenizer=None):
                   intermediate_size=2 * spec.vision_hidden_size, num_heads=1, out_hidden_size=spec.hidden_size,
                   patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL,
                   window_size=PATCH * MERGE * 2, fullatt_block_indexes=[spec.vision_depth - 1])  # fmt: skip
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=spec.tie_word_embeddings,
                               image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
                               vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END])  # fmt: skip
     torch.manual_seed(spec.seed)

@@ -236,23 +236,19 @@ def check_inputs(config: PPOConfig, download: bool = False) -> str:
 
 
 def check_image_run(config: PPOConfig, images: ImageSettings) -> None:
-    """A run on data with images: single-turn rollouts (multi-turn episodes with images are not
-    supported yet), and a guidance that preprocesses an image as the draft does."""
-    data, guidance = config.data, config.worker.rollout.offpolicy_guidance
-    if config.worker.rollout.multi_turn.enable:
-        raise ConfigError(f"data.train_files: {data.train_files!r} has images ({data.image_key!r}), which run in single-turn rollouts alone so far; valid: worker.rollout.multi_turn.enable=false, or data without images")  # fmt: skip
-    if guidance.enable:
-        from verl.utils.model_path import resolve_model_path
-        from verl.utils.vision import load_processor
+    """A run on data with images: a guidance that preprocesses an image as the draft does."""
+    guidance = config.worker.rollout.offpolicy_guidance
+    if not guidance.enable:
+        return
+    from verl.utils.model_path import resolve_model_path
+    from verl.utils.vision import load_processor
 
-        path = resolve_model_path(
-            guidance.model_path, "worker.rollout.offpolicy_guidance.model_path"
-        )
-        ours = images.processor.image_processor.to_dict()
-        theirs = load_processor(path).image_processor.to_dict()
-        differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
-        if differ:
-            raise ConfigError(f"worker.rollout.offpolicy_guidance.model_path: {path!r} preprocesses images unlike the draft ({differ[0]}: {theirs.get(differ[0])!r} against {ours.get(differ[0])!r}); valid: a guidance with the draft's image processor")  # fmt: skip
+    path = resolve_model_path(guidance.model_path, "worker.rollout.offpolicy_guidance.model_path")
+    ours = images.processor.image_processor.to_dict()
+    theirs = load_processor(path).image_processor.to_dict()
+    differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+    if differ:
+        raise ConfigError(f"worker.rollout.offpolicy_guidance.model_path: {path!r} preprocesses images unlike the draft ({differ[0]}: {theirs.get(differ[0])!r} against {ours.get(differ[0])!r}); valid: a guidance with the draft's image processor")  # fmt: skip
 
 
 def prepare(config: PPOConfig) -> Prepared:

@@ -267,6 +267,14 @@ class ImagePrompt:
         return [*self.raw, *tokens[n:]]
 
 
+def engine_request(tokens: list[int], opening: ImagePrompt | None) -> dict:
+    """One whole-sequence engine request: `tokens` (the model's, expanded) as they are without
+    images, else the raw prompt, the rest of `tokens`, and the images (`ImagePrompt`)."""
+    if opening is None:
+        return {"prompt_token_ids": list(tokens)}
+    return {"prompt_token_ids": opening.engine_tokens(tokens), "multi_modal_data": opening.data}
+
+
 def encode_vision_prompt(processor, prompt: str, images: list, where: str,
                          system_prompt: str | None = None) -> VisionPrompt:  # fmt: skip
     """Render `prompt` with its images through the processor's chat template, then `vision_inputs`."""

@@ -43,6 +43,7 @@ import torch
 
 from verl.protocol import DataProto
 from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR
+from verl.utils.vision import engine_request
 from verl.workers.rollout.config import OffPolicyGuidanceConfig
 from verl.workers.rollout.context import RolloutContext
 from verl.workers.rollout.modes import (
@@ -131,14 +132,17 @@ def draft_turn(completion) -> Turn:
     return Turn(ids, completion.text, finish_reason(completion), {"rollout_log_probs": log_probs})
 
 
-def draft_turns(ctx: RolloutContext, runtime: MultiTurnRuntime, seeds: np.ndarray) -> TurnFn:
+def draft_turns(
+    ctx: RolloutContext, runtime: MultiTurnRuntime, seeds: np.ndarray, images: list | None = None
+) -> TurnFn:
     """Turns by the draft engine alone, one `generate` call over the active episodes per turn
-    (turn k of episode i seeded seeds[i] + k - 1, `turn_params`)."""
+    (turn k of episode i seeded seeds[i] + k - 1, `turn_params`); `images` as `Job.images`."""
 
     def turns(active, contexts, budgets, turn):
         params = [turn_params(ctx, runtime, int(seeds[i]) + turn - 1, budget)
                   for i, budget in zip(active, budgets, strict=True)]  # fmt: skip
-        requests = [{"prompt_token_ids": context} for context in contexts]
+        requests = [engine_request(context, images[i] if images else None)
+                    for i, context in zip(active, contexts, strict=True)]  # fmt: skip
         outputs = ctx.engines.draft.generate(requests, params, use_tqdm=False)
         return [draft_turn(o.outputs[0]) for o in outputs]
 
@@ -184,6 +188,8 @@ class GuidedTurns:
     gate: Callable[[np.ndarray], np.ndarray] | None
     stats: RoundStats = field(default_factory=RoundStats)
     seqs: list[GuidedSequence] = field(default_factory=list)
+    images: list | None = None
+    """Each episode's prompt images (`Job.images`' part), or None."""
 
     def __call__(self, active, contexts, budgets, turn):
         runtime, seeds = self.runtime, self.seeds[active].copy()
@@ -199,6 +205,7 @@ class GuidedTurns:
             budgets,
             lambda _, tokens: runtime.turn_end(tokens),
             ids=active,
+            images=[self.images[i] for i in active] if self.images else None,
         )
         order = {i: row for row, i in enumerate(active)}
         seqs: list[GuidedSequence] = [None] * len(active)  # type: ignore[list-item]
@@ -325,6 +332,8 @@ class EpisodeStream(_Outcomes):
     call_tools: Callable[[int, list[ToolCall]], list[ToolResult]] | None = None
     submitted: list[tuple[int, int]] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
+    images: list | None = None
+    """Each episode's prompt images (`Job.images`), or None."""
 
     def run(self) -> tuple[list[Trajectory], list[bool]]:
         """The episodes, and whether each ended cut (`follow`)."""
@@ -354,7 +363,8 @@ class EpisodeStream(_Outcomes):
             seed = int(self.seeds[i]) + self._turns[i] - 1
             budget = self.limit - len(self.episodes[i].response_ids)
             params.append(turn_params(self.ctx, self.runtime, seed, budget))
-            prompts.append({"prompt_token_ids": self.episodes[i].context_ids()})
+            opening = self.images[i] if self.images else None
+            prompts.append(engine_request(self.episodes[i].context_ids(), opening))
             self.submitted.append((i, self._turns[i]))
         if prompts:
             mine = [i for i, _ in self.submitted[-len(prompts) :]]
@@ -396,6 +406,8 @@ class GuidedEpisodes(_Outcomes):
     seqs: list[GuidedSequence] = field(default_factory=list)
     submitted: list[tuple[int, int]] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
+    images: list | None = None
+    """Each episode's prompt images (`Job.images`' part), or None."""
 
     def run(self, prompts: list[list[int]]) -> tuple[list[Trajectory], list[bool]]:
         """The episodes of `prompts` (the wave's), and whether each ended cut (`follow`)."""
@@ -407,7 +419,7 @@ class GuidedEpisodes(_Outcomes):
         with ToolRuns(self.runtime, self.call_tools) as self._tools:
             batches = run_rounds(self.ctx, self.wave, prompts, self.lam, self.seeds, self.guided, self.gate,
                                  [self.limit] * n, lambda _, tokens: self.runtime.turn_end(tokens),
-                                 refill=self)  # fmt: skip
+                                 refill=self, images=self.images)  # fmt: skip
         for batch in batches:
             self.stats.add(batch.stats)
         return self.episodes, self.cut
@@ -472,8 +484,9 @@ def draft_episodes(ctx: RolloutContext, job: Job) -> tuple[list[Trajectory], lis
     call's meta_info sets `TURN_BARRIER_KEY`; with the episodes' cuts."""
     runtime, seeds = ctx.multi_turn, job.seeds[:, 0]
     if job.meta.get(TURN_BARRIER_KEY, False):
-        return run_episodes(ctx.max_tokens, runtime, job.prompts, draft_turns(ctx, runtime, seeds))
-    return EpisodeStream(ctx, runtime, job.prompts, seeds, ctx.max_tokens).run()
+        turns = draft_turns(ctx, runtime, seeds, job.images)
+        return run_episodes(ctx.max_tokens, runtime, job.prompts, turns)
+    return EpisodeStream(ctx, runtime, job.prompts, seeds, ctx.max_tokens, images=job.images).run()
 
 
 @GENERATION_MODES.register("multi_turn_speculative")
@@ -492,12 +505,13 @@ def multi_turn_speculative(ctx: RolloutContext, job: Job) -> Generated:
         wave = ctx.waves.next()  # session ids are unique per wave
         part = slice(start, start + size)
         args = (ctx, wave, runtime, job.lam, job.seeds[part], guided[part], gate)
+        images = None if job.images is None else job.images[part]
         with sessions_freed(ctx):
             if job.meta.get(TURN_BARRIER_KEY, False):
-                turns = GuidedTurns(*args)
+                turns = GuidedTurns(*args, images=images)
                 done, cut_part = run_episodes(ctx.max_tokens, runtime, job.prompts[part], turns)
             else:
-                turns = GuidedEpisodes(*args, ctx.max_tokens)
+                turns = GuidedEpisodes(*args, ctx.max_tokens, images=images)
                 done, cut_part = turns.run(job.prompts[part])
         episodes += done
         cut += cut_part
@@ -516,7 +530,7 @@ def multi_turn_prefill(ctx: RolloutContext, job: Job) -> Generated:
     width = ctx.config.response_length
     seqs = [GuidedSequence(e.response_ids[:width]) for e in episodes]
     with ctx.cores_to("guidance"):
-        teacher_prefill(ctx, job.prompts, seqs)
+        teacher_prefill(ctx, job.prompts, seqs, job.images)
     guide = torch.zeros_like(packed["rollout_log_probs"], dtype=torch.float64)
     for i, seq in enumerate(seqs):
         guide[i, : len(seq.tokens)] = torch.tensor(seq.guidance_log_probs, dtype=torch.float64)

@@ -113,7 +113,7 @@ class VLLMRollout(EngineLifecycle):
             mode = MULTI_TURN_MODES[mode]
         job = Job(repeated, n, seeds, lam, meta)
         if "multi_modal_data" in prompts.non_tensor_batch:  # a batch with images
-            job.images = image_job(prompts.non_tensor_batch, prompt_ids, n, mode)
+            job.images = image_job(prompts.non_tensor_batch, prompt_ids, n)
         result = GENERATION_MODES.get(mode)(ctx, job)
         if result.packed is not None:
             out = multi_turn_dataproto(self.config.offpolicy_guidance, self.config.prompt_length,
@@ -129,14 +129,9 @@ class VLLMRollout(EngineLifecycle):
         return out
 
 
-def image_job(
-    rows: dict, prompt_ids: list[list[int]], n: int, mode: str
-) -> list[ImagePrompt | None]:
+def image_job(rows: dict, prompt_ids: list[list[int]], n: int) -> list[ImagePrompt | None]:
     """Per sequence (each prompt repeated n times) its images as the engines open them, from the
-    batch's `raw_prompt_ids`, `multi_modal_data` and the prompts' expanded `prompt_ids`; every
-    mode but the multi-turn ones runs images so far."""
-    if mode.startswith("multi_turn"):
-        raise ValueError(f"a batch with images runs single-turn rollouts; this one runs {mode!r} (multi-turn episodes with images are not supported yet)")  # fmt: skip
+    batch's `raw_prompt_ids`, `multi_modal_data` and the prompts' expanded `prompt_ids`."""
     return [ImagePrompt(list(map(int, raw)), list(map(int, expanded)), data) if data else None
             for raw, expanded, data in zip(rows["raw_prompt_ids"], prompt_ids, rows["multi_modal_data"], strict=True)
             for _ in range(n)]  # fmt: skip

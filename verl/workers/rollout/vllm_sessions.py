@@ -202,8 +202,8 @@ class SessionEngine:
         """Sessions to open with images (`ImagePrompt` by session id): each one's first chunk then
         gives the expanded prompt (and what follows), which the engine opens as one image pad
         per image plus the images, and checks that it expands them the same way. Kept until the
-        session opens or `close`."""
-        self._expected.update(openings)
+        session opens or `close`; a session already open (an episode's next turn) is left as it is."""
+        self._expected.update({sid: im for sid, im in openings.items() if sid not in self._open})
 
     def _add_one(self, sid: str, tokens: list[int], params) -> list[ChunkOutput]:
         """Resume open session `sid` with `tokens` under `params` (a rewind); returns [its output]."""
