@@ -198,3 +198,44 @@ def test_first_guided_tokens_after_an_image_follow_q_lambda(pair, speculative):
 def first_row(path: str, vision) -> torch.Tensor:
     """(V,) the model's next-token probabilities after the prompt with its image (HF forward)."""
     return hf_log_probs(path, vision, [0], whole=True)[0].double().exp()
+
+
+@pytest.mark.e2e
+def test_two_ray_replicas_sharing_a_guidance_service_give_the_tokens_of_one(pair, rollout_gpus):
+    """Speculative guidance with images through `RolloutGroup`: 2 draft replicas sharing 1 guidance
+    service (the images travel to each replica with its rows; the service opens each replica's
+    sessions with them under the replica's prefix) against the first replica given the whole
+    batch: identical tokens and masks, log-probs equal to float rounding."""
+    import dataclasses
+
+    import numpy as np
+    import ray
+    from test_vllm_rollout import assert_same_sequences
+
+    from verl.workers.rollout.config import RolloutConfig
+    from verl.workers.rollout.worker import RolloutGroup, merge_rollout_meta
+
+    draft, guidance, dataset = pair
+    cfg = RolloutConfig(n=N, temperature=1.0, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.02,
+                        prompt_length=64, response_length=8, seed=0)  # fmt: skip
+    cfg.offpolicy_guidance = dataclasses.replace(
+        cfg.offpolicy_guidance, enable=True, model_path=guidance, dtype="float32", gpu_memory_utilization=0.02,
+        lam=LAM, num_replicas=1)  # fmt: skip
+    data = batch(dataset, global_step=1)
+    data.non_tensor_batch["uid"] = np.array(["a", "b"], dtype=object)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=4, include_dashboard=False)
+    try:
+        group = RolloutGroup(2, draft, cfg, **rollout_gpus(2, 1))
+        try:
+            many = group.generate_sequences(data)
+            one = ray.get(group.replicas[0].generate_sequences.remote(data))
+            one.meta_info = merge_rollout_meta([one.meta_info])
+        finally:
+            group.shutdown()
+    finally:
+        if started:
+            ray.shutdown()
+    assert_same_sequences(one, many)
+    assert one.batch["offpolicy_mask"].any()
