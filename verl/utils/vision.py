@@ -212,14 +212,6 @@ def image_messages(prompt: str, num_images: int, where: str, system_prompt: str 
     return messages
 
 
-def engine_inputs(prompts: list[list[int]], images: list[dict | None] | None) -> list[dict]:
-    """vLLM's inputs of `prompts` (token ids; one image pad per image), with each one's
-    `multi_modal_data` where it has images (`images` None: a text batch)."""
-    if images is None:
-        return [{"prompt_token_ids": p} for p in prompts]
-    return [{"prompt_token_ids": p, **({"multi_modal_data": m} if m else {})} for p, m in zip(prompts, images, strict=True)]  # fmt: skip
-
-
 def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
     """(B, T) 1 on image pads, 0 elsewhere: what Qwen2.5-VL's forward needs (with transformers 5)
     to place the multimodal rotary positions (without it log-probs are off by up to nats)."""

@@ -148,7 +148,7 @@ def test_whole_response_generation_shows_vllms_bar_unless_disabled(disable_tqdm)
     config = RolloutConfig(disable_tqdm=disable_tqdm)
     ctx = RolloutContext(config, Engines(Recorder(), None), num_logprobs=1, eos_token_id=2,
                          pad_token_id=0, max_tokens=8, temperature=1.0, ignore_eos=False)  # fmt: skip
-    assert draft_responses(ctx, [], None, []) == []
+    assert draft_responses(ctx, [], []) == []
     assert calls == [not disable_tqdm]
 
 

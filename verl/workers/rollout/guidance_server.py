@@ -36,7 +36,7 @@ class GuidanceLost(RuntimeError):
 class GuidanceChannel:
     """Requests over one connection, answered in the order they were sent (raising the engine's
     errors). `submit(op, *args)` sends without waiting; `result()` waits for the oldest answer;
-    `call` does both. Ops: "info", "capacity", "score", "close", "generate", "threads" (`_Server`)."""
+    `call` does both. Ops: "info", "capacity", "score", "expect", "close", "generate", "threads" (`_Server`)."""
 
     def __init__(self, conn: Connection, name: str) -> None:
         self._conn, self.name = conn, name
@@ -246,19 +246,17 @@ class _Server:
         """Sessions to open with images (`SessionEngine.expect`)."""
         self.sessions.expect(openings)
 
-    def generate(self, prompts: list[list[int]], params: list[dict], images: list | None = None) -> list[tuple]:  # fmt: skip
-        """Plain sampling: per prompt (token ids, log-prob of each sampled token); `images`: each
-        prompt's `multi_modal_data` (one image pad per image in its tokens), or None."""
+    def generate(self, requests: list[dict], params: list[dict]) -> list[tuple]:
+        """Plain sampling: per request (vLLM's token-id prompt, with its `multi_modal_data` where
+        it has images: `verl.utils.vision.engine_request`) the token ids and the log-prob of each
+        sampled token."""
         self._awake("generate")
         from vllm import SamplingParams
 
-        from verl.utils.vision import engine_inputs
         from verl.workers.rollout.vllm_sessions import sampled_log_probs
 
         outputs = self.llm.generate(
-            engine_inputs(prompts, images),
-            [SamplingParams(**kw) for kw in params],
-            use_tqdm=False,
+            requests, [SamplingParams(**kw) for kw in params], use_tqdm=False
         )
         return [sampled_log_probs(out.outputs[0]) for out in outputs]
 

@@ -27,7 +27,7 @@ import numpy as np
 from verl.trainer.core_algos.guidance import LAM_GATES
 from verl.trainer.core_algos.guide_when import prefix_lengths
 from verl.utils.registry import Registry
-from verl.utils.vision import ImagePrompt, engine_inputs
+from verl.utils.vision import ImagePrompt, engine_request
 from verl.workers.rollout.config import OffPolicyGuidanceConfig
 from verl.workers.rollout.context import RolloutContext
 from verl.workers.rollout.speculative import GuidedSequence, ListedRows, RoundStats
@@ -53,15 +53,13 @@ class Job:
     """Per sequence its prompt's images as the engines open them (None: text), or None for a
     text batch; `prompts` hold the model's expanded tokens either way."""
 
-    def engine_prompts(self, rows: list[int] | None = None) -> tuple[list[list[int]], list | None]:
-        """The prompts of `rows` (None: all) as an engine samples them whole: token ids with one
-        image pad per image, and each one's `multi_modal_data` (None for a text batch)."""
+    def engine_requests(self, rows: list[int] | None = None) -> list[dict]:
+        """The prompts of `rows` (None: all) as an engine samples them whole (`engine_request`:
+        with images, the raw prompt and its `multi_modal_data`)."""
         rows = range(len(self.prompts)) if rows is None else rows
-        if self.images is None:
-            return [self.prompts[i] for i in rows], None
-        opened = [self.images[i] for i in rows]
-        prompts = [self.prompts[i] if im is None else im.engine_tokens(self.prompts[i]) for i, im in zip(rows, opened, strict=True)]  # fmt: skip
-        return prompts, [None if im is None else im.data for im in opened]
+        return [
+            engine_request(self.prompts[i], self.images[i] if self.images else None) for i in rows
+        ]
 
 
 @dataclass
@@ -130,13 +128,13 @@ def whole_response(
 
 
 def draft_responses(
-    ctx: RolloutContext, prompts: list[list[int]], images: list | None, seeds: np.ndarray
+    ctx: RolloutContext, requests: list[dict], seeds: np.ndarray
 ) -> list[GuidedSequence]:
-    """Whole responses from the draft engine, one seed per prompt (`whole_response`); `prompts`
-    and `images` as `Job.engine_prompts` gives them."""
+    """Whole responses from the draft engine, one seed per request (`Job.engine_requests`;
+    `whole_response`)."""
     params = [ctx.draft_params(ctx.max_tokens, 1, int(s)) for s in seeds]
     outputs = ctx.engines.draft.generate(
-        engine_inputs(prompts, images),
+        requests,
         params,
         use_tqdm=not ctx.config.disable_tqdm,
     )
@@ -146,7 +144,7 @@ def draft_responses(
 @GENERATION_MODES.register("draft_only")
 def draft_only(ctx: RolloutContext, job: Job) -> Generated:
     """Whole responses from the draft engine, one seed per sequence."""
-    return Generated(draft_responses(ctx, *job.engine_prompts(), job.seeds[:, 0]))
+    return Generated(draft_responses(ctx, job.engine_requests(), job.seeds[:, 0]))
 
 
 @GENERATION_MODES.register("mix")
@@ -163,10 +161,9 @@ def mix(ctx: RolloutContext, job: Job) -> Generated:
         params = [
             ctx.sampling_kwargs(ctx.max_tokens, 1, int(seeds[i]), **processing) for i in rows[True]
         ]
-        prompts, images = job.engine_prompts(rows[True])
-        ctx.engines.guidance.submit("generate", prompts, params, images)
+        ctx.engines.guidance.submit("generate", job.engine_requests(rows[True]), params)
     if rows[False]:
-        draft = draft_responses(ctx, *job.engine_prompts(rows[False]), seeds[rows[False]])
+        draft = draft_responses(ctx, job.engine_requests(rows[False]), seeds[rows[False]])
         for i, seq in zip(rows[False], draft, strict=True):
             seqs[i] = seq
     if rows[True]:
@@ -180,7 +177,7 @@ def teacher_only_prefill(ctx: RolloutContext, job: Job) -> Generated:
     """λ = 0 by prefill: the draft samples whole responses, then the guidance scores each in
     one prefill; on CPU each engine has every core while it works (the other idles)."""
     with ctx.cores_to("draft"):
-        seqs = draft_responses(ctx, *job.engine_prompts(), job.seeds[:, 0])
+        seqs = draft_responses(ctx, job.engine_requests(), job.seeds[:, 0])
     with ctx.cores_to("guidance"):
         teacher_prefill(ctx, job.prompts, seqs, job.images)
     return Generated(seqs)
