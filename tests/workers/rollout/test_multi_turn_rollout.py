@@ -47,25 +47,32 @@ def save_call_writing_lm(path: str, weight: float) -> str:
     tokenizer = build_char_tokenizer()
     spec = TinyLMSpec(hidden_size=64, num_hidden_layers=1, vocab_size=100, arch="llama")
     model = build_tiny_qwen2(spec, tokenizer)
-    ids = tokenizer.convert_tokens_to_ids
-    chain = [(CALL[i], CALL[i + 1]) for i in range(len(CALL) - 1)]
-    other = spec.hidden_size - 1
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
-        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
-        embed.zero_()
-        embed[:, other] = 1.0
-        head.zero_()
-        head[ids("["), other] = weight
-        for dim, (char, after) in enumerate([*chain, ("\n", "[")]):
-            token = ids("Ċ" if char == "\n" else char)
-            embed[token, other] = 0.0
-            embed[token, dim] = 1.0
-            head[ids(after), dim] = weight
-        head[tokenizer.eos_token_id, len(chain)] = weight - 1 / 8
+        write_call_chain(model.model.embed_tokens.weight, model.lm_head.weight, tokenizer, weight)
     return save_tiny_lm(path, spec, model=model, tokenizer=tokenizer)
+
+
+def write_call_chain(embed: torch.Tensor, head: torch.Tensor, tokenizer, weight: float) -> None:
+    """Set an untied embedding (V, H) and LM head (V, H) in place so that, with decoder layers
+    that write nothing, the next token depends on the last one (`save_call_writing_lm`'s rows:
+    one dimension per character of `CALL` but its `]` and for `\\n`, the last dimension for every
+    other token)."""
+    ids = tokenizer.convert_tokens_to_ids
+    chain = [(CALL[i], CALL[i + 1]) for i in range(len(CALL) - 1)]
+    other = embed.shape[1] - 1
+    embed.zero_()
+    embed[:, other] = 1.0
+    head.zero_()
+    head[ids("["), other] = weight
+    for dim, (char, after) in enumerate([*chain, ("\n", "[")]):
+        token = ids("Ċ" if char == "\n" else char)
+        embed[token, other] = 0.0
+        embed[token, dim] = 1.0
+        head[ids(after), dim] = weight
+    head[tokenizer.eos_token_id, len(chain)] = weight - 1 / 8
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,14 @@ import os
 
 import pytest
 import torch
-from test_multi_turn_rollout import CALL, RESULT_DELTA, SQ_TOOL, multi_turn_config, tool_runs
+from test_multi_turn_rollout import (
+    CALL,
+    RESULT_DELTA,
+    SQ_TOOL,
+    multi_turn_config,
+    tool_runs,
+    write_call_chain,
+)
 
 from verl.protocol import DataProto
 from verl.workers.rollout.multi_turn_mode import TURN_BARRIER_KEY
@@ -43,24 +50,12 @@ def save_call_writing_vlm(path: str, weight: float, seed: int) -> str:
     tokenizer = build_vlm_tokenizer()
     spec = TinyVLMSpec(tie_word_embeddings=False, seed=seed)
     model = build_tiny_qwen2_5_vl(spec, tokenizer)
-    ids = tokenizer.convert_tokens_to_ids
-    chain = [(CALL[i], CALL[i + 1]) for i in range(len(CALL) - 1)]
-    other = spec.hidden_size - 1
     with torch.no_grad():
         for layer in model.model.language_model.layers:
             layer.self_attn.o_proj.weight.mul_(0.1)
             layer.mlp.down_proj.weight.zero_()
-        embed, head = model.model.language_model.embed_tokens.weight, model.lm_head.weight
-        embed.zero_()
-        embed[:, other] = 1.0
-        head.zero_()
-        head[ids("["), other] = weight
-        for dim, (char, after) in enumerate([*chain, ("\n", "[")]):
-            token = ids("Ċ" if char == "\n" else char)
-            embed[token, other] = 0.0
-            embed[token, dim] = 1.0
-            head[ids(after), dim] = weight
-        head[tokenizer.eos_token_id, len(chain)] = weight - 1 / 8
+        lm = model.model.language_model
+        write_call_chain(lm.embed_tokens.weight, model.lm_head.weight, tokenizer, weight)
     return save_tiny_vlm(path, spec, model=model)
 
 
