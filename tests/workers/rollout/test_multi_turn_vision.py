@@ -25,6 +25,7 @@ from test_multi_turn_rollout import (
     tool_runs,
     write_call_chain,
 )
+from test_vision_rollout import hf_rows
 
 from verl.protocol import DataProto
 from verl.workers.rollout.multi_turn_mode import TURN_BARRIER_KEY
@@ -116,21 +117,12 @@ def image_batch(dataset, **meta) -> DataProto:
 
 def hf_log_probs(path: str, vision, b: dict, i: int) -> torch.Tensor:
     """log π of every response token of row i under the model at `path`: one HF forward of the
-    row's whole kept sequence with its image (the image markers left out, as the engines do)."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    from verl.utils.vision import mm_token_type_ids, vision_token_ids
-
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    row's whole kept sequence with its image (`hf_rows`)."""
     keep = b["attention_mask"][i].bool()
-    ids = b["input_ids"][i][keep][None]
+    ids = b["input_ids"][i][keep]
     prompt_len = int(keep[: b["prompts"].shape[1]].sum())
-    with torch.no_grad():
-        logits = model(input_ids=ids, pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw,
-                       mm_token_type_ids=mm_token_type_ids(ids, model.config.image_token_id)).logits[0].double()  # fmt: skip
-    logits[:, list(vision_token_ids(model.config))] = float("-inf")
-    logp = torch.log_softmax(logits, -1)
-    return logp[prompt_len - 1 : -1].gather(1, ids[0, prompt_len:, None])[:, 0]
+    logp = hf_rows(path, vision, ids.tolist())
+    return logp[prompt_len - 1 : -1].gather(1, ids[prompt_len:, None])[:, 0]
 
 
 @pytest.mark.parametrize(

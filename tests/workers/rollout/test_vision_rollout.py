@@ -42,21 +42,35 @@ def pair(tmp_path_factory):
     return draft, guidance, dataset
 
 
-@pytest.fixture(scope="module")
-def rollout(pair):
-    from transformers import AutoTokenizer
+def vision_config(guidance: str, response_length: int, **fields):
+    """The rollout config of these tests (float32, eager, a small memory share), guidance on from
+    `guidance` with the `offpolicy_guidance` `fields` set."""
+    import dataclasses
 
     from verl.workers.rollout.config import RolloutConfig
+
+    cfg = RolloutConfig(n=N, temperature=1.0, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.02,
+                        prompt_length=64, response_length=response_length, seed=0)  # fmt: skip
+    cfg.offpolicy_guidance = dataclasses.replace(cfg.offpolicy_guidance, enable=True, model_path=guidance,
+                                                 dtype="float32", gpu_memory_utilization=0.02, **fields)  # fmt: skip
+    cfg.validate("worker.rollout")
+    return cfg
+
+
+def open_rollout(draft: str, cfg):
+    """A `VLLMRollout` of `draft` under `cfg`, for a `with` block."""
+    from transformers import AutoTokenizer
+
     from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
 
-    draft, guidance, _ = pair
     tok = AutoTokenizer.from_pretrained(draft)
-    cfg = RolloutConfig(n=N, temperature=1.0, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.02,
-                        prompt_length=64, response_length=6, seed=0)  # fmt: skip
-    g = cfg.offpolicy_guidance
-    g.enable, g.model_path, g.dtype, g.gpu_memory_utilization, g.mode, g.mix_num_samples = (
-        True, guidance, "float32", 0.02, "mix", 1)  # fmt: skip
-    with VLLMRollout(draft, cfg, tok.eos_token_id, tok.pad_token_id) as engine:
+    return VLLMRollout(draft, cfg, tok.eos_token_id, tok.pad_token_id)
+
+
+@pytest.fixture(scope="module")
+def rollout(pair):
+    draft, guidance, _ = pair
+    with open_rollout(draft, vision_config(guidance, 6, mode="mix", mix_num_samples=1)) as engine:
         yield engine
 
 
@@ -68,21 +82,27 @@ def batch(dataset, rows: int | None = None, **meta) -> DataProto:
     return DataProto.from_single_dict(collate(items, 64, 0), meta_info=meta)
 
 
-def hf_log_probs(path: str, vision, response: list[int], whole: bool = False) -> torch.Tensor:
-    """log p(response token | expanded prompt with its images, earlier tokens): one HF forward
-    (`whole`: every row (T, V) instead)."""
+def hf_rows(path: str, vision, ids: list[int]) -> torch.Tensor:
+    """(len(ids), V) float64 log-softmax rows of one HF forward of `ids` (the expanded prompt with
+    its images, then anything after), the image markers left out as the engines leave them."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from verl.utils.vision import mm_token_type_ids, vision_token_ids
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.tensor([vision.input_ids + response])
+    tokens = torch.tensor([ids])
     with torch.no_grad():
-        logits = model(input_ids=ids, pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw,
-                       mm_token_type_ids=mm_token_type_ids(ids, model.config.image_token_id)).logits[0]  # fmt: skip
-    rows = logits[len(vision.input_ids) - 1 : -1].float()
-    rows[:, list(vision_token_ids(model.config))] = float("-inf")  # the engines never emit them
-    rows = torch.log_softmax(rows, -1)
+        logits = model(input_ids=tokens, pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw,
+                       mm_token_type_ids=mm_token_type_ids(tokens, model.config.image_token_id)).logits[0]  # fmt: skip
+    logits = logits.double()
+    logits[:, list(vision_token_ids(model.config))] = float("-inf")  # the engines never emit them
+    return torch.log_softmax(logits, -1)
+
+
+def hf_log_probs(path: str, vision, response: list[int], whole: bool = False) -> torch.Tensor:
+    """log p(response token | expanded prompt with its images, earlier tokens): one HF forward
+    (`whole`: every row (T, V) instead)."""
+    rows = hf_rows(path, vision, vision.input_ids + response)[len(vision.input_ids) - 1 : -1]
     if whole:
         return rows
     return rows.gather(-1, torch.tensor(response)[:, None])[:, 0]
@@ -107,7 +127,7 @@ def test_responses_after_images_carry_the_emitting_models_log_probs(pair, rollou
         assert prompt == vision.input_ids  # the model's (expanded) prompt goes on to the actor
         response = b["responses"][row][mask[row]].tolist()
         expected = hf_log_probs(guide if guided[row] else draft, vision, response)
-        assert torch.allclose(behavior[row][mask[row]], expected, atol=1e-4), row
+        assert torch.allclose(behavior[row][mask[row]].double(), expected, atol=1e-4), row
     assert len(out.non_tensor_batch["multi_modal_inputs"]) == len(mask)  # the actor's image inputs
 
 
@@ -116,26 +136,9 @@ LAM = 0.5
 
 @pytest.fixture(scope="module")
 def speculative(pair):
-    from transformers import AutoTokenizer
-
-    from verl.workers.rollout.config import RolloutConfig
-    from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout
-
     draft, guidance, _ = pair
-    tok = AutoTokenizer.from_pretrained(draft)
-    cfg = RolloutConfig(n=N, temperature=1.0, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.02,
-                        prompt_length=64, response_length=8, seed=0)  # fmt: skip
-    g = cfg.offpolicy_guidance
-    g.enable, g.model_path, g.dtype, g.gpu_memory_utilization, g.logprobs = (
-        True,
-        guidance,
-        "float32",
-        0.02,
-        128,
-    )
-    g.lam, g.num_speculative_tokens = LAM, 3
-    cfg.validate("worker.rollout")
-    with VLLMRollout(draft, cfg, tok.eos_token_id, tok.pad_token_id) as engine:
+    cfg = vision_config(guidance, 8, logprobs=128, lam=LAM, num_speculative_tokens=3)
+    with open_rollout(draft, cfg) as engine:
         yield engine
 
 
@@ -206,21 +209,14 @@ def test_two_ray_replicas_sharing_a_guidance_service_give_the_tokens_of_one(pair
     service (the images travel to each replica with its rows; the service opens each replica's
     sessions with them under the replica's prefix) against the first replica given the whole
     batch: identical tokens and masks, log-probs equal to float rounding."""
-    import dataclasses
-
     import numpy as np
     import ray
     from test_vllm_rollout import assert_same_sequences
 
-    from verl.workers.rollout.config import RolloutConfig
     from verl.workers.rollout.worker import RolloutGroup, merge_rollout_meta
 
     draft, guidance, dataset = pair
-    cfg = RolloutConfig(n=N, temperature=1.0, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.02,
-                        prompt_length=64, response_length=8, seed=0)  # fmt: skip
-    cfg.offpolicy_guidance = dataclasses.replace(
-        cfg.offpolicy_guidance, enable=True, model_path=guidance, dtype="float32", gpu_memory_utilization=0.02,
-        lam=LAM, num_replicas=1)  # fmt: skip
+    cfg = vision_config(guidance, 8, lam=LAM, num_replicas=1)
     data = batch(dataset, global_step=1)
     data.non_tensor_batch["uid"] = np.array(["a", "b"], dtype=object)
     started = not ray.is_initialized()
