@@ -128,6 +128,7 @@ TUNE_LRS = {
     "runsum": (1e-4, 3e-4, 1e-3),
     "runsum_hard": (1e-4, 3e-4, 1e-3),
     "toolchain": (1e-4, 3e-4, 1e-3),
+    "count": (1e-4, 3e-4, 1e-3),
 }
 """Task -> the learning rates `tune` tries per cell (arithmetic: 5e-4 and up drove a draft to 0
 in earlier runs; runsum: around the 2e-4 a GRPO probe learned with, and 1e-3 because every cell
@@ -149,7 +150,8 @@ def load_picks(out: Path) -> dict[str, float] | None:
 
 
 TASK_DRAFTS = {"arithmetic": {"weak": "weak", "base": "draft"}, "runsum": {"student": "draft"},
-               "runsum_hard": {"hard": "hard"}, "toolchain": {"student": "draft"}}  # fmt: skip
+               "runsum_hard": {"hard": "hard"}, "toolchain": {"student": "draft"},
+               "count": {"student": "draft"}}  # fmt: skip
 """Task -> draft label -> the snapshot of the task's embedded pair it is (chosen by held-out
 accuracy targets, `verl.tasks.embedded.TASKS`)."""
 EMBEDDED = {"runsum_hard": "runsum"}
@@ -161,12 +163,13 @@ TASK_SET = {
                "data.max_prompt_length=21", "data.max_response_length=21",
                "worker.rollout.val_override_config.temperature=1.0", "worker.rollout.val_override_config.n=4"),
     "toolchain": (f"config={ROOT / 'examples' / 'toolchain_guided.yaml'}",),
+    "count": (f"config={ROOT / 'examples' / 'count_guided.yaml'}",),
 }  # fmt: skip
 TASK_SET["runsum_hard"] = TASK_SET["runsum"]
 """Task -> the keys every run of it adds (data, lengths, validation; the base config is
 arithmetic's). runsum validates as its models were chosen: sampling at T = 1 (4 per prompt);
 toolchain takes its whole recipe (multi-turn, its tool, lengths, the same validation) from
-examples/toolchain_guided.yaml."""
+examples/toolchain_guided.yaml, count (the vision task) from examples/count_guided.yaml."""
 TASK_CELLS = {
     "arithmetic": tuple(
         c.name
@@ -186,6 +189,7 @@ TASK_CELLS = {
         "mentor_at_grpo_lr",
     ),
     "toolchain": ("grpo", "spec_exact", "distill", "spec_distill"),
+    "count": ("grpo", "spec_exact", "mix", "distill"),
     "runsum_hard": (
         "grpo",
         "spec_exact",
@@ -202,11 +206,13 @@ TUNE_DRAFT = {
     "runsum": "student",
     "runsum_hard": "hard",
     "toolchain": "student",
+    "count": "student",
 }
 """Task -> the draft learning rates are tuned from."""
 MEASURE = {"arithmetic": "greedy", "runsum": "sampled at T = 1, 4 per prompt",
            "runsum_hard": "sampled at T = 1, 4 per prompt",
-           "toolchain": "whole episodes sampled at T = 1, 4 per prompt"}  # fmt: skip
+           "toolchain": "whole episodes sampled at T = 1, 4 per prompt",
+           "count": "sampled at T = 1, 4 per prompt"}  # fmt: skip
 """Task -> how its validation measures accuracy."""
 DIAGNOSTICS = ("guidance/offpolicy_token_ratio", "guidance/guided_grad_share",
                "guidance/guided_is_weight_mean", "guidance/guided_is_clip_frac",
@@ -569,15 +575,17 @@ def build_models(task: str, drafts: list[str]) -> tuple[dict[str, str], str, dic
 def draft_all_fail(path: str, task: str, n: int = 8) -> float:
     """Expected share of the held-out prompts whose n samples at T = 1 all miss the exact answer
     (`verl.tasks.embedded.all_fail_share`)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from verl.tasks.embedded import (
+        TASKS,
+        _encode,
+        all_fail_share,
+        load_snapshot,
+        sampled_row_accuracy,
+    )
 
-    from verl.tasks.embedded import TASKS, all_fail_share, sampled_row_accuracy
-    from verl.tasks.tiny_lm import build_char_tokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    rows = TASKS[task].rows("test")
-    return all_fail_share(sampled_row_accuracy(model, rows, build_char_tokenizer()), n)
+    model, tokenizer = load_snapshot(path)
+    rows, encode = TASKS[task].rows("test"), TASKS[task].encode or _encode
+    return all_fail_share(sampled_row_accuracy(model, rows, tokenizer, encode=encode), n)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,8 +41,11 @@ def test_summary_leaves_out_guidance_rows_without_guidance(tmp_path):
     _log(tmp_path, [{"step": 0, "val/reward_score": 0.25},
                     {"step": 1, "critic/score/mean": 0.5}, {"step": 2, "critic/score/mean": 0.75},
                     {"step": 2, "val/reward_score": 0.5}])  # fmt: skip
-    text = summarize(str(tmp_path), load_config([f"{GUIDANCE}.enable=false"]))
+    text = summarize(
+        str(tmp_path), load_config(["config=examples/grpo_guided.yaml", f"{GUIDANCE}.enable=false"])
+    )
     assert "=== GRPO (guidance off), embedded arithmetic task ===" in text
+    assert "validation accuracy (draft alone, greedy)" in text
     assert (
         "25.0% -> 50.0%" in text
         and "training reward (rollouts)" in text
@@ -50,6 +53,16 @@ def test_summary_leaves_out_guidance_rows_without_guidance(tmp_path):
     )
     for absent in ("guidance tokens", "importance weight", "lambda", "guided", "reverse KL"):
         assert absent not in text, absent
+
+
+def test_summary_names_an_overlays_task_and_its_sampled_validation(tmp_path):
+    """`make demo ARGS="config=examples/count_guided.yaml"`: the vision task, validated at T = 1."""
+    _log(tmp_path, [{"step": 0, "val/reward_score": 0.15}, {"step": 1, "critic/score/mean": 0.5},
+                    {"step": 1, "val/reward_score": 0.2}])  # fmt: skip
+    overlay = ["config=examples/grpo_guided.yaml", "config=examples/count_guided.yaml"]
+    text = summarize(str(tmp_path), load_config(overlay))
+    assert "=== GRPO, speculative guidance, embedded count task ===" in text
+    assert "validation accuracy (draft, T = 1, n = 4)     15.0% -> 20.0%" in text
 
 
 def test_summary_of_a_guided_distillation_run_shows_its_rows(tmp_path):

@@ -99,18 +99,19 @@ def test_two_steps_with_images_train_checkpoint_resume_and_export(tmp_path):
 
 
 def test_lora_with_images_trains_the_language_model_and_the_engine_follows(tmp_path):
-    """LoRA on the tiny Qwen2.5-VL (rank 4, GRPO without guidance): step 2 samples from the merged
+    """LoRA on the tiny Qwen2.5-VL (rank 4, GRPO without guidance) on the embedded `count` rows
+    (pictures held in memory as PIL images, `embedded://count`): step 2 samples from the merged
     weights the sync sent (the actor's log-probs equal the engine's: `mismatch/kl_v2` below 1e-6),
     and the export's vision tower is the base model's while its language model moved."""
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from verl.tasks.tiny_vlm import save_tiny_vlm, write_count_data
+    from verl.tasks.tiny_vlm import save_tiny_vlm
 
     save_tiny_vlm(str(tmp_path / "model"))
-    write_count_data(str(tmp_path / "data"), 16, seed=1)
     (tmp_path / "reward.py").write_text(REWARD)
-    lora = {"worker": {"actor": {"model": {"lora": {"rank": 4, "alpha": 8}}, "optim": {"lr": 3e-2}},
+    lora = {"data": {"train_files": "embedded://count@train"},
+            "worker": {"actor": {"model": {"lora": {"rank": 4, "alpha": 8}}, "optim": {"lr": 3e-2}},
                        "rollout": {"offpolicy_guidance": {"enable": False}}},
             "trainer": {"save_freq": 2}}  # fmt: skip
     rows = run(tmp_path, tmp_path / "lora", overrides=lora)

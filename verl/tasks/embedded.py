@@ -23,8 +23,11 @@ rounding moves the curve.
   (`[lookup:k07]`, answered `=70\n`, then `[lookup:k70]`...), then the last value (`48`).
   Trained on whole transcripts, the loss on the policy's tokens only; measured like `runsum`,
   sampled at T = 1 (the canonical episode's exact probability).
+- `count` (vision, `verl/tasks/embedded_vision.py`): a 56 x 56 picture and `count=`; the answer
+  is the number of squares in it, 1-9. Its models are tiny Qwen2.5-VLs (`tiny_vlm`; a vision
+  tower of 2 blocks, a language model of 2 layers, width 128), measured sampled at T = 1.
 
-    python -m verl.tasks.embedded [--task runsum]   # builds once; later calls reuse it
+    python -m verl.tasks.embedded [--task runsum] [--report]   # builds once; later calls reuse it
 """
 
 from __future__ import annotations
@@ -50,7 +53,14 @@ from verl.tasks.embedded_tools import (
     toolchain_encode,
     toolchain_split,
 )
+from verl.tasks.embedded_vision import (
+    COUNT_PROMPT_LENGTH,
+    COUNT_RESPONSE_LENGTH,
+    count_encode,
+    count_split,
+)
 from verl.tasks.tiny_lm import TinyLMSpec, build_char_tokenizer, build_tiny_qwen2, save_tiny_lm
+from verl.tasks.tiny_vlm import TinyVLMSpec, build_processor, build_tiny_qwen2_5_vl, save_tiny_vlm
 from verl.utils.dataset import register_row_source
 
 EMBEDDED_SCHEME = "embedded://"
@@ -111,8 +121,8 @@ def _check_split(split: str) -> None:
 class SFTSpec:
     """One supervised run of a tiny model; its snapshots at the accuracy targets are the pair."""
 
-    model: TinyLMSpec
-    """Shape of the model (every snapshot shares it and the tokenizer)."""
+    model: TinyLMSpec | TinyVLMSpec
+    """Shape of the model, a tiny Qwen2 or Qwen2.5-VL (every snapshot shares it and the tokenizer)."""
     targets: dict[str, float]
     """Snapshot name -> held-out accuracy it is chosen nearest (`pick_snapshot`, `target_decided`)."""
     max_steps: int
@@ -145,8 +155,8 @@ class EmbeddedTask:
     """Held-out accuracy its targets are stated in: greedy (`greedy_accuracy`) or sampled at
     temperature 1 (`sampled_accuracy`)."""
     encode: Callable | None = None
-    """(rows, tokenizer) -> (ids, mask of the tokens trained on and measured) of its supervised
-    sequences; None: prompt + answer + EOS (`_encode`)."""
+    """(rows, tokenizer) -> (ids, mask of the tokens trained on and measured[, per-row image
+    inputs]) of its supervised sequences (`_encoded`); None: prompt + answer + EOS (`_encode`)."""
     tools: tuple[str, ...] = ()
     """Multi-turn tasks: the tools its episodes load (`worker.rollout.multi_turn.tools`); () for a
     single-turn task."""
@@ -158,11 +168,15 @@ class EmbeddedTask:
 
 MODEL = TinyLMSpec(hidden_size=256, num_hidden_layers=4, vocab_size=128, seed=12)
 SMALL = TinyLMSpec(hidden_size=128, num_hidden_layers=2, vocab_size=128, seed=12)
+VISION = TinyVLMSpec(hidden_size=128, num_hidden_layers=2, seed=0)
 TASKS: dict[str, EmbeddedTask] = {
     "arithmetic": EmbeddedTask(arithmetic_split, "arithmetic", 8, 4,
                                SFTSpec(MODEL, {"weak": 0.15, "draft": 0.36, "guidance": 0.97}, max_steps=1500)),
     "runsum": EmbeddedTask(runsum_split, "runsum", RUNSUM_TERMS + 1, RUNSUM_TERMS + 1,
                            SFTSpec(SMALL, {"hard": 0.03, "draft": 0.15, "guidance": 0.95}, max_steps=4000, batch_size=128), "sampled"),
+    "count": EmbeddedTask(count_split, "count", COUNT_PROMPT_LENGTH, COUNT_RESPONSE_LENGTH,
+                          SFTSpec(VISION, {"draft": 0.15, "guidance": 0.95}, max_steps=600, batch_size=64), "sampled",
+                          count_encode),
     "toolchain": EmbeddedTask(toolchain_split, "toolchain", TOOLCHAIN_PROMPT_LENGTH, TOOLCHAIN_RESPONSE_LENGTH,
                               SFTSpec(SMALL, {"draft": 0.15, "guidance": 0.95}, max_steps=4000, batch_size=128),
                               "sampled", toolchain_encode, TOOLCHAIN_TOOLS, TOOLCHAIN_FORMAT, TOOLCHAIN_MAX_TURNS),
@@ -171,7 +185,9 @@ TASKS: dict[str, EmbeddedTask] = {
 36 %, guidance 97 % (greedy); `runsum` draft 15 % (a student that gets most steps right and the
 whole answer seldom), hard 3 % (a student whose groups of 8 mostly all fail: the regime where
 GRPO learns nothing from a prompt), guidance 95 % (sampled at T = 1); `toolchain` the same, over the canonical
-episode's policy tokens (its response length counts the tool tokens: 51; 4 turns at most)."""
+episode's policy tokens (its response length counts the tool tokens: 51; 4 turns at most);
+`count` (tiny Qwen2.5-VL, squares in a picture) draft 15 % (chance is 1 in 9) and guidance 95 %,
+sampled at T = 1."""
 
 
 @register_row_source(EMBEDDED_SCHEME)
@@ -213,6 +229,25 @@ def _encode(rows: list[dict[str, str]], tokenizer) -> tuple[torch.Tensor, torch.
     return ids, mask
 
 
+def _encoded(encode, rows: list[dict], tokenizer) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """`encode`'s (ids, mask) or (ids, mask, inputs), as (ids, mask, inputs): inputs ({} for
+    text) are the rows' image inputs, each (N, ...) (`embedded_vision.count_encode`)."""
+    ids, mask, *inputs = encode(rows, tokenizer)
+    return ids, mask, inputs[0] if inputs else {}
+
+
+def _logits(model, ids: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """(N, L, V) logits of the rows `ids` with their image inputs (`_encoded`): a VLM takes
+    `pixel_values` as every row's patches in one (N·patches, D) tensor."""
+    extra = {k: v.flatten(0, 1) if k == "pixel_values" else v for k, v in inputs.items()}
+    return model(input_ids=ids, **extra).logits
+
+
+def _pick(inputs: dict, rows: torch.Tensor) -> dict:
+    """The image inputs of the chosen `rows` (each input is (N, ...))."""
+    return {k: v[rows] for k, v in inputs.items()}
+
+
 @torch.no_grad()
 def sampled_accuracy(
     model, rows: list[dict[str, str]], tokenizer, temperature: float = 1.0, encode=_encode
@@ -231,8 +266,8 @@ def sampled_row_accuracy(
 ) -> torch.Tensor:
     """(R,) each row's probability of its exact answer sampled at `temperature` (`sampled_accuracy`
     is their mean)."""
-    ids, mask = encode(rows, tokenizer)
-    log_probs = (model(ids).logits[:, :-1].float() / temperature).log_softmax(-1)
+    ids, mask, inputs = _encoded(encode, rows, tokenizer)
+    log_probs = (_logits(model, ids, inputs)[:, :-1].float() / temperature).log_softmax(-1)
     picked = log_probs.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) * mask[:, 1:]
     return picked.sum(-1).exp()
 
@@ -251,10 +286,26 @@ def greedy_accuracy(model, rows: list[dict[str, str]], tokenizer, encode=_encode
     Teacher-forced argmax equals greedy decoding here: greedy output matches the answer iff the
     argmax is right at every answer position given the right prefix.
     """
-    ids, mask = encode(rows, tokenizer)
-    logits = model(ids).logits[:, :-1]
+    ids, mask, inputs = _encoded(encode, rows, tokenizer)
+    logits = _logits(model, ids, inputs)[:, :-1]
     correct = (logits.argmax(-1) == ids[:, 1:]) | ~mask[:, 1:]
     return correct.all(-1).float().mean().item()
+
+
+def load_snapshot(path: str) -> tuple[torch.nn.Module, object]:
+    """A built model folder as (the model in eval mode, float32; what its task encodes with: the
+    char tokenizer, or a VLM's processor)."""
+    import transformers
+
+    if os.path.isfile(os.path.join(path, "preprocessor_config.json")):
+        from verl.utils.vision import load_processor
+
+        model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            path, dtype=torch.float32
+        )
+        return model.eval(), load_processor(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval(), build_char_tokenizer()
 
 
 MEASURES = {"greedy": greedy_accuracy, "sampled": sampled_accuracy}
@@ -349,8 +400,8 @@ def supervised_snapshots(
     for each target as soon as the run fixes it (`_decide`), and stops when every target is fixed
     (or at `max_steps`, where the targets still open take their nearest snapshot). Every
     evaluation is appended to `curve`."""
-    model = build_tiny_qwen2(spec.model, tokenizer)
-    ids, mask = encode(train, tokenizer)
+    model = _build_model(spec.model, tokenizer)
+    ids, mask, inputs = _encoded(encode, train, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     gen = torch.Generator().manual_seed(spec.model.seed)
@@ -362,7 +413,7 @@ def supervised_snapshots(
             model.train()
             pick = torch.randint(0, ids.shape[0], (spec.batch_size,), generator=gen)
             batch, target = ids[pick], mask[pick]
-            logits = model(batch).logits[:, :-1]
+            logits = _logits(model, batch, _pick(inputs, pick))[:, :-1]
             loss = torch.nn.functional.cross_entropy(
                 logits[target[:, 1:]], batch[:, 1:][target[:, 1:]]
             )
@@ -412,11 +463,27 @@ def _decide(
         del kept[stale]
 
 
+def _tokenizer(model: TinyLMSpec | TinyVLMSpec):
+    """What a spec's supervised sequences are encoded with: the char tokenizer, or for a VLM the
+    processor (its tokenizer with the vision tokens, and its image processor)."""
+    return build_processor(model) if isinstance(model, TinyVLMSpec) else build_char_tokenizer()
+
+
+def _build_model(model: TinyLMSpec | TinyVLMSpec, tokenizer) -> torch.nn.Module:
+    """A randomly initialised tiny Qwen2 or Qwen2.5-VL of `model` (`_tokenizer`'s `tokenizer`)."""
+    if isinstance(model, TinyVLMSpec):
+        return build_tiny_qwen2_5_vl(model, tokenizer.tokenizer)
+    return build_tiny_qwen2(model, tokenizer)
+
+
 def _save(path: str, spec: SFTSpec, model, record: dict) -> None:
     """Write to `path.partial`, then rename: an interrupted build leaves nothing half-made."""
     tmp = path + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_tiny_lm(tmp, spec.model, model)
+    if isinstance(spec.model, TinyVLMSpec):
+        save_tiny_vlm(tmp, spec.model, model)
+    else:
+        save_tiny_lm(tmp, spec.model, model)
     with open(os.path.join(tmp, "embedded.json"), "w") as f:
         json.dump(record, f)
     shutil.rmtree(path, ignore_errors=True)
@@ -455,7 +522,7 @@ def build_embedded(
     log(f"building the embedded {task} models ({TASKS[task].measure} held-out accuracy targets: {targets}), once; "
         "a few minutes on 2 cores...")  # fmt: skip
     start = time.perf_counter()
-    tokenizer = build_char_tokenizer()
+    tokenizer = _tokenizer(spec.model)
     rows, encode = TASKS[task].rows, TASKS[task].encode or _encode
     result: dict[str, str | float] = dict(paths)
     curve: list[tuple[int, float]] = []
@@ -473,13 +540,41 @@ def build_embedded(
     return result
 
 
+def snapshot_report(path: str, task: str, n: int = 8) -> dict[str, float | dict[str, float]]:
+    """A built model's held-out figures: greedy and sampled (T = 1) accuracy, the expected share
+    of groups of `n` samples that all fail (`all_fail_share`), and, for a task of at most 10
+    distinct answers, the sampled accuracy per answer."""
+    model, tokenizer = load_snapshot(path)
+    rows, encode = TASKS[task].rows("test"), TASKS[task].encode or _encode
+    sampled = sampled_row_accuracy(model, rows, tokenizer, encode=encode)
+    report = {"greedy": greedy_accuracy(model, rows, tokenizer, encode),
+              "sampled": sampled.mean().item(), f"all_fail_{n}": all_fail_share(sampled, n)}  # fmt: skip
+    answers = sorted({row["answer"] for row in rows})
+    if len(answers) <= 10:
+        report["sampled_by_answer"] = {
+            a: sampled[[row["answer"] == a for row in rows]].mean().item() for a in answers
+        }
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="arithmetic", choices=list(TASKS))
     parser.add_argument("--out", default=None, help="default: .cache/embedded[/<task>]")
+    parser.add_argument("--report", action="store_true",
+                        help="then print each model's held-out figures (snapshot_report)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    print(json.dumps(build_embedded(args.out, task=args.task), indent=1))
+    built = build_embedded(args.out, task=args.task)
+    print(json.dumps(built, indent=1))
+    if args.report:
+        folders = {name: built[name] for name in TASKS[args.task].pair.targets}
+        print(
+            json.dumps(
+                {name: snapshot_report(str(path), args.task) for name, path in folders.items()},
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

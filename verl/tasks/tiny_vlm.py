@@ -107,6 +107,15 @@ def build_tiny_qwen2_5_vl(spec: TinyVLMSpec, tokenizer=None):
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
+def build_processor(spec: TinyVLMSpec):
+    """The Qwen2.5-VL processor of `spec` (tokenizer, image processor, chat template) in memory, of
+    the class `verl.utils.vision.load_processor` loads a saved one with."""
+    from verl.utils.vision import processor_class
+
+    return processor_class()(image_processor=build_image_processor(spec), tokenizer=build_vlm_tokenizer(),
+                             chat_template=VLM_CHAT_TEMPLATE)  # fmt: skip
+
+
 def save_tiny_vlm(path: str, spec: TinyVLMSpec | None = None, model=None) -> str:
     """Write a tiny VLM (built from `spec` unless given), its tokenizer, image processor and chat
     template to `path`: a folder transformers, vLLM and `verl.utils.vision.load_processor` load."""
@@ -125,21 +134,26 @@ def save_tiny_vlm(path: str, spec: TinyVLMSpec | None = None, model=None) -> str
 COLORS = ("red", "blue", "green", "black")
 
 
-def draw_shapes(count: int, size: int = 56, seed: int = 0, color: str | None = None):
-    """A white `size` x `size` RGB image with `count` filled squares that do not overlap, placed on
-    a grid of 8-pixel cells by `seed` (one colour each unless `color`): a picture to count."""
+def draw_shapes(count: int, size: int = 56, seed: int = 0, color: str | None = None, cell: int = 8):
+    """A white `size` x `size` RGB image with `count` filled squares that do not overlap, one per
+    cell of a `cell`-pixel grid, the cells drawn by `seed` (one colour each unless `color`): a
+    picture to count. With `cell` = `PATCH` every square fills the middle of one image patch."""
     from PIL import Image, ImageDraw
 
-    cells = [(x, y) for x in range(0, size - 7, 8) for y in range(0, size - 7, 8)]
+    cells = [
+        (x, y) for x in range(0, size - cell + 1, cell) for y in range(0, size - cell + 1, cell)
+    ]
     if not 0 <= count <= len(cells):
         raise ValueError(
-            f"count must be in [0, {len(cells)}] for a {size}-pixel image, got {count}"
+            f"count must be in [0, {len(cells)}] for a {size}-pixel image of {cell}-pixel cells, got {count}"
         )
     rng = random.Random(seed)
     image = Image.new("RGB", (size, size), "white")
     draw = ImageDraw.Draw(image)
+    margin = cell // 7  # 1 pixel in an 8-pixel cell, 2 in a 14-pixel one
     for x, y in rng.sample(cells, count):
-        draw.rectangle([x + 1, y + 1, x + 6, y + 6], fill=color or rng.choice(COLORS))
+        draw.rectangle([x + margin, y + margin, x + cell - 1 - margin, y + cell - 1 - margin],
+                       fill=color or rng.choice(COLORS))  # fmt: skip
     return image
 
 

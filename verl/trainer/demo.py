@@ -9,7 +9,9 @@
    the reverse KL to the guidance with distillation), and the paths of the plots.
 
 Extra `key=value` arguments override the config, e.g. `python -m verl.trainer.demo trainer.max_steps=10`
-(through make: `make demo ARGS="trainer.max_steps=10"`).
+(through make: `make demo ARGS="trainer.max_steps=10"`); an overlay picks another embedded task,
+whose models are built the same way: `make demo ARGS="config=examples/count_guided.yaml"` trains
+a tiny vision-language draft to count squares in pictures (`verl/tasks/embedded_vision.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,23 @@ def run_mode(config) -> str:
     return " + ".join(p for p in parts if p) + f", {sampling}"
 
 
+def task_name(config) -> str:
+    """The data the run trained on, in words: `embedded <task> task`, or the training files."""
+    from verl.tasks.embedded import embedded_task
+
+    task = embedded_task(config.data.train_files)
+    return f"embedded {task} task" if task else config.data.train_files
+
+
+def validation_mode(config) -> str:
+    """How validation sampled the draft: greedy, or at temperature T with n samples per prompt."""
+    rollout = config.worker.rollout
+    sampling = {"temperature": rollout.temperature, "n": 1, **rollout.val_override_config}
+    if sampling["temperature"] == 0:
+        return "draft alone, greedy"
+    return f"draft, T = {sampling['temperature']:g}, n = {sampling['n']}"
+
+
 def summarize(run_dir: str, config) -> str:
     """The final table, from the run's experiment_log.jsonl: rows that apply to the run's mode."""
     rows = _rows(run_dir)
@@ -61,8 +80,8 @@ def summarize(run_dir: str, config) -> str:
     guided = any(r.get("guidance/lambda", 0) > 0 for r in train)
     lines = [
         "",
-        f"=== {run_mode(config)}, embedded arithmetic task ===",
-        f"{'validation accuracy (draft alone, greedy)':45s} {vals[0]['val/reward_score']:.1%} -> {vals[-1]['val/reward_score']:.1%}"
+        f"=== {run_mode(config)}, {task_name(config)} ===",
+        f"{'validation accuracy (' + validation_mode(config) + ')':45s} {vals[0]['val/reward_score']:.1%} -> {vals[-1]['val/reward_score']:.1%}"
         f"  (steps {vals[0]['step']} -> {vals[-1]['step']})",
         f"{'training reward (' + ('guided rollouts' if guided else 'rollouts') + ')':45s} {first_last('critic/score/mean', '.1%')}",
     ]  # fmt: skip
@@ -83,20 +102,21 @@ def summarize(run_dir: str, config) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verl.tasks.embedded import build_embedded
+    from verl.tasks.embedded import TASKS, build_embedded, embedded_task
     from verl.trainer.config import ConfigError, load_config
     from verl.trainer.main import TrainingInterrupted, prepare, run
     from verl.utils.worker_logs import WORKER_LOG_ENV
 
     args = sys.argv[1:] if argv is None else argv
     start = time.perf_counter()
-    models = build_embedded()
-    print(f"embedded models: draft {models['draft_accuracy']:.1%} / guidance "
-          f"{models['guidance_accuracy']:.1%} test accuracy (greedy, before RL)")  # fmt: skip
     stamp = time.strftime("%Y%m%d-%H%M%S")
     try:
         config = load_config([f"config={os.path.normpath(CONFIG)}",
                               f"trainer.save_checkpoint_path=checkpoints/demo/{stamp}", *args])  # fmt: skip
+        if task := embedded_task(config.data.train_files):
+            models, measure = build_embedded(task=task), TASKS[task].measure
+            print(f"embedded {task} models: draft {models['draft_accuracy']:.1%} / guidance "
+                  f"{models['guidance_accuracy']:.1%} test accuracy ({measure}, before RL)")  # fmt: skip
         prepared = prepare(config)
     except (ConfigError, FileNotFoundError, ValueError, KeyError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -13,6 +13,7 @@ from verl.workers.reward.function import (
     FunctionRewardManager,
     RewardError,
     arithmetic_reward,
+    count_reward,
     load_reward_function,
     math_reward,
 )
@@ -32,6 +33,8 @@ def batch(tok, responses: list[str], truths: list[str], width: int = 6) -> DataP
 def test_arithmetic_is_exact_match_after_strip():
     assert arithmetic_reward({"response": " 19 ", "ground_truth": "19"}) == {"overall": 1.0}
     assert arithmetic_reward({"response": "91", "ground_truth": "19"}) == {"overall": 0.0}
+    assert count_reward({"response": "7", "ground_truth": "7"}) == {"overall": 1.0}
+    assert count_reward({"response": "77", "ground_truth": "7"}) == {"overall": 0.0}
 
 
 def test_math_reward_reads_the_boxed_answer():
@@ -73,7 +76,7 @@ def test_bad_specs_are_named(tmp_path):
         load_reward_function(f"{tmp_path / 'r.py'}:fn")
     with pytest.raises(
         ValueError,
-        match="unknown reward function 'no_such_builtin'; valid: arithmetic, math, runsum",
+        match="unknown reward function 'no_such_builtin'; valid: arithmetic, count, math, runsum",
     ):
         load_reward_function("no_such_builtin")
 

@@ -32,6 +32,13 @@ def arithmetic_reward(reward_input: dict) -> dict[str, float]:
     return {"overall": float(response == str(reward_input["ground_truth"]).strip())}
 
 
+@REWARD_FUNCTIONS.register("count")
+def count_reward(reward_input: dict) -> dict[str, float]:
+    """The embedded `count` task (squares in a picture): exact match of the stripped response with
+    the count, as `arithmetic`: 1 or 0."""
+    return arithmetic_reward(reward_input)
+
+
 @REWARD_FUNCTIONS.register("runsum")
 def runsum_reward(reward_input: dict) -> dict[str, float]:
     """The embedded `runsum` task's final answer: 1 when the response has the answer's format
@@ -155,5 +162,5 @@ class FunctionRewardManager:
         return self._pool.submit(self.compute, data)
 
 
-for _fn in (arithmetic_reward, runsum_reward, toolchain_reward, math_reward):
-    _fn._verl_builtin = True  # built-ins score one response per call
+for _name in REWARD_FUNCTIONS.names(with_aliases=False):
+    REWARD_FUNCTIONS.get(_name)._verl_builtin = True  # built-ins score one response per call
