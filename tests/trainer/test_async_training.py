@@ -1,8 +1,9 @@
 """Asynchronous training (`async_training.staleness` >= 1) on the real Ray + FSDP + vLLM path.
 
-Three runs share this module's Ray session: a guided (speculative, λ 0.5) run at staleness 1 that
-checkpoints every step, the same run resumed from its step-2 checkpoint, and a draft-only run at
-staleness 2 whose producer fails while generating its fourth batch. Each trained batch is kept
+Four runs share this module's Ray session: a guided (speculative, λ 0.5) run at staleness 1 that
+checkpoints every step, the same run resumed from its step-2 checkpoint, a draft-only run at
+staleness 2 whose producer fails while generating its fourth batch, and a guided multi-turn run
+(tool episodes) at staleness 1. Each trained batch is kept
 (a wrapper around the trainer's `_train`), and every trained token's sampling log-prob is checked
 against an independent Hugging Face forward of the draft at the version the batch records: the
 initial draft (version 0) or the checkpoint of step v (version v).
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.e2e
 
 ASYNC_KEYS = ["async/staleness_mean", "async/staleness_max", "async/dropped_frac",
               "async/trainer_idle_s", "async/producer_idle_s", "async/queued_batches"]  # fmt: skip
-KEPT = ("input_ids", "attention_mask", "prompts", "response_mask", "rollout_log_probs", VERSION_KEY)
+KEPT = ("input_ids", "attention_mask", "prompts", "response_mask", "rollout_log_probs", VERSION_KEY,
+        "behavior_log_probs", "offpolicy_mask")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,8 @@ def keep_batches(kept: list[dict], fail_at: int | None = None):
         train_on, generate = trainer._train, trainer._generate
 
         def recorded(batch, metrics, start, sync):
-            kept.append({k: batch.batch[k].clone() for k in KEPT} | {"step": trainer.global_step})
+            kept.append({k: batch.batch[k].clone() for k in (*KEPT, "tool_mask") if k in batch.batch.keys()}
+                        | {"step": trainer.global_step})  # fmt: skip
             return train_on(batch, metrics, start, sync)
 
         def failing(batch, step, metrics):
@@ -190,3 +193,49 @@ def test_draft_only_staleness_two_and_a_failing_producer(assets, ray_session, tm
     check_bound(kept, 2)
     assert is_complete(os.path.join(run_dir, "global_step_3", "actor"))
     assert check_behavior_versions(assets, run_dir, kept) > 1e-2
+
+
+def test_guided_multi_turn_staleness_one_keeps_mu_exact_at_the_recorded_version(
+    assets, ray_session, tmp_path
+):
+    """Multi-turn tool episodes (the `lookup` tool, char models edited to close calls often)
+    guided token by token at λ = 0.5, staleness 1: every trained policy token's p is the draft's
+    HF log-prob at the version its batch records, and its μ is log((1-λ)p + λq) with q the
+    guidance's HF log-prob over the whole episode (tool results included as context); the tool
+    tokens are in the sequences and out of the mask."""
+    from verl.tasks.tiny_lm import save_call_prone_lm
+
+    calling = {**assets, "draft": save_call_prone_lm(str(tmp_path / "draft")),
+               "guidance": save_call_prone_lm(str(tmp_path / "guidance"), seed=5, weight=12.0)}  # fmt: skip
+    extra = {"async_training": {"staleness": 1},
+             "data": {"max_response_length": 64, "rollout_batch_size": 4},
+             "worker": {"actor": {"global_batch_size": 8, "micro_batch_size_per_device_for_experience": 16},
+                        "rollout": {"n": 2, "offpolicy_guidance": {"lam": 0.5},
+                                    "multi_turn": {"enable": True, "tools": ["lookup"], "tool_call_format": "embedded",
+                                                   "max_turns": 2, "max_tool_response_length": 16}}},
+             "trainer": {"max_steps": 3, "save_freq": 1, "val_before_train": False}}  # fmt: skip
+    run_dir, kept = str(tmp_path / "multi_turn"), []
+    _, _, rows = train(calling, run_dir, before_fit=keep_batches(kept), **extra)
+    steps = check_run(
+        "multi-turn async",
+        rows,
+        ASYNC_KEYS,
+        3,
+        [k for k in TRAIN_KEYS if not k.startswith("mismatch/")],
+    )
+    assert all(r["multiturn/tool_calls_mean"] > 0 for r in steps)
+    check_bound(kept, 1)
+    assert check_behavior_versions(calling, run_dir, kept) > 1e-3  # p at the recorded version
+    lam = 0.5
+    for batch in kept:
+        assert (batch["tool_mask"].sum() > 0) and not (
+            batch["tool_mask"].bool() & batch["response_mask"].bool()
+        ).any()
+        mask = batch["response_mask"].bool()
+        p = hf_log_probs(version_path(calling, run_dir, int(batch[VERSION_KEY][0])), batch)
+        q = hf_log_probs(calling["guidance"], batch)
+        mu = torch.logaddexp(
+            p + torch.log1p(torch.tensor(-lam)), q + torch.log(torch.tensor(lam))
+        )
+        assert (batch["behavior_log_probs"].double() - mu)[mask].abs().max() < 2e-4, batch["step"]
+        assert batch["offpolicy_mask"].bool()[mask].any()  # the guidance wrote some policy tokens
