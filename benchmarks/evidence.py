@@ -575,17 +575,9 @@ def build_models(task: str, drafts: list[str]) -> tuple[dict[str, str], str, dic
 def draft_all_fail(path: str, task: str, n: int = 8) -> float:
     """Expected share of the held-out prompts whose n samples at T = 1 all miss the exact answer
     (`verl.tasks.embedded.all_fail_share`)."""
-    from verl.tasks.embedded import (
-        TASKS,
-        _encode,
-        all_fail_share,
-        load_snapshot,
-        sampled_row_accuracy,
-    )
+    from verl.tasks.embedded import snapshot_report
 
-    model, tokenizer = load_snapshot(path)
-    rows, encode = TASKS[task].rows("test"), TASKS[task].encode or _encode
-    return all_fail_share(sampled_row_accuracy(model, rows, tokenizer, encode=encode), n)
+    return snapshot_report(path, task, n)[f"all_fail_{n}"]
 
 
 def main(argv: list[str] | None = None) -> int:
