@@ -45,12 +45,13 @@ def test_merged_meta_sums_counts_and_recomputes_rates_by_hand():
 
 @pytest.mark.e2e
 def test_two_ray_replicas_give_the_tokens_of_one(tmp_path, rollout_gpus):
-    """`RolloutGroup` with 2 draft replicas + 2 guidance services, and 2 drafts sharing 1
-    guidance service, against one engine (the first replica of the 2 + 2 group given the whole
-    batch, as a group of one gives it): identical tokens and masks, log-probs equal to float
-    rounding, in speculative mode and with the draft alone (guidance off for the call, as
-    validation). Mix mode's split is checked on one engine in test_vllm_rollout.py (the same
-    per-replica code)."""
+    """`RolloutGroup` with 2 draft replicas sharing 1 guidance service against one engine (its
+    first replica given the whole batch, as a group of one replica gives it): identical tokens and
+    masks, log-probs equal to float rounding, in speculative mode and with the draft alone
+    (guidance off for the call, as validation). Sharing is the layout where the service has to
+    keep two replicas' sessions apart; a replica with a service of its own runs the same replica
+    code (the two-node runs of tests/trainer/test_two_nodes.py train with 2 + 2). Mix mode's split
+    is checked on one engine in test_vllm_rollout.py (the same per-replica code)."""
     import dataclasses
 
     import ray
@@ -77,29 +78,24 @@ def test_two_ray_replicas_give_the_tokens_of_one(tmp_path, rollout_gpus):
         ray.init(address="local", num_cpus=4, include_dashboard=False)
     outs = {}
     try:
-        for replicas, services in ((2, 2), (2, 1)):
-            config = rollout_config(guide)
-            config.offpolicy_guidance = dataclasses.replace(
-                config.offpolicy_guidance, num_replicas=services
-            )
-            group = RolloutGroup(replicas, draft, config, **rollout_gpus(replicas, services))
-            assert len(group.services) == services
-            try:
-                for mode, meta in (("spec", {"lam": 0.5}), ("off", {"guidance": False})):
-                    batch = prompt_batch(tok, PROMPTS, n=3, temperature=1.0, global_step=1, **meta)
-                    outs[replicas, services, mode] = group.generate_sequences(batch)
-                    if services == 2:  # one engine: what a group of one replica does with it
-                        one = ray.get(group.replicas[0].generate_sequences.remote(batch))
-                        one.meta_info = merge_rollout_meta([one.meta_info])
-                        outs[1, 1, mode] = one
-            finally:
-                group.shutdown()
+        config = rollout_config(guide)
+        config.offpolicy_guidance = dataclasses.replace(config.offpolicy_guidance, num_replicas=1)
+        group = RolloutGroup(2, draft, config, **rollout_gpus(2, 1))
+        assert len(group.services) == 1
+        try:
+            for mode, meta in (("spec", {"lam": 0.5}), ("off", {"guidance": False})):
+                batch = prompt_batch(tok, PROMPTS, n=3, temperature=1.0, global_step=1, **meta)
+                outs[2, 1, mode] = group.generate_sequences(batch)
+                one = ray.get(group.replicas[0].generate_sequences.remote(batch))
+                one.meta_info = merge_rollout_meta([one.meta_info])
+                outs[1, 1, mode] = one
+        finally:
+            group.shutdown()
     finally:
         if started:
             ray.shutdown()
-    for layout in ((2, 2), (2, 1)):
-        for mode in ("spec", "off"):
-            assert_same_sequences(outs[1, 1, mode], outs[(*layout, mode)])
+    for mode in ("spec", "off"):
+        assert_same_sequences(outs[1, 1, mode], outs[2, 1, mode])
     one, shared = outs[1, 1, "spec"], outs[2, 1, "spec"]
     a, b = one.meta_info, shared.meta_info  # counts summed over the replicas
     assert a["emitted_tokens"] == b["emitted_tokens"] == int(one.batch["response_mask"].sum())

@@ -16,7 +16,7 @@ from verl.workers.rollout.config import RolloutConfig
 from verl.workers.rollout.packing import Counters
 
 if TYPE_CHECKING:
-    from vllm import SamplingParams
+    from vllm.sampling_params import SamplingParams
 
     from verl.workers.rollout.guidance_server import GuidanceChannel
     from verl.workers.rollout.multi_turn import MultiTurnRuntime
@@ -101,7 +101,7 @@ class RolloutContext:
         self, max_tokens: int, logprobs: int, seed: int, **overrides
     ) -> SamplingParams:
         """The draft engine's `SamplingParams` of a request (`sampling_kwargs`)."""
-        from vllm import SamplingParams
+        from vllm.sampling_params import SamplingParams
 
         return SamplingParams(**self.sampling_kwargs(max_tokens, logprobs, seed, **overrides))
 

@@ -251,7 +251,7 @@ class _Server:
         it has images: `verl.utils.vision.engine_request`) the token ids and the log-prob of each
         sampled token."""
         self._awake("generate")
-        from vllm import SamplingParams
+        from vllm.sampling_params import SamplingParams
 
         from verl.workers.rollout.vllm_sessions import sampled_log_probs
 

@@ -293,7 +293,7 @@ def scoring_params(max_tokens: int, num_logprobs: int, processing: dict):
     (temperature, top_k, top_p) exactly as vLLM's sampler processes a sampled row (the session
     patch's `PROCESS_KEY`); the sampled rows are processed by the sampler itself when the engine
     reports processed log-probs."""
-    from vllm import SamplingParams
+    from vllm.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, prompt_logprobs=num_logprobs, logprobs=num_logprobs,
                           detokenize=False, skip_clone=True, extra_args={vllm_session_rewind.PROCESS_KEY: True},
