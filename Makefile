@@ -34,9 +34,10 @@ env:
 demo: env
 	@$(PY) -m verl.trainer.demo $(ARGS)
 
+# (after the suite, one line on how fast the machine ran: benchmarks/machine_probe.py)
 test: env
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	VERL_MACHINE_PROBE=1 $(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-unit: env
 	$(PY) -m pytest -q $(XDIST) -m "not vllm and not e2e and not gpu" $(PYTEST_ARGS)

@@ -108,6 +108,13 @@ CELLS = (
          drafts=("hard",), overlays=("guide_failing", "teacher_prefix")),
     Cell("grpo_at_mix_lr_hard", "diagnosis: plain GRPO at mix's lr", (f"{G}enable=false",), True,
          ("hard",), varies="mix"),
+    # Asynchronous training (configs/async.yaml): the rollout of step t + 1 generates while the
+    # actor trains on step t, samples at most `staleness` weight versions behind, at the rate of
+    # the synchronous cell they vary
+    *(Cell(f"{name}_async{k}", f"{label}, staleness {k}", (*over, f"async_training.staleness={k}"),
+           drafts=("student",), overlays=("async",), varies=name)
+      for name, label, over in (("grpo", "plain GRPO", (f"{G}enable=false",)), ("spec_exact", "speculative exact", SPEC))
+      for k in (1, 2)),
     # LoRA (configs/lora.yaml: rank 32, alpha 64, every Linear but the head) against full
     # fine-tuning; adapters want larger rates, so its own grid
     Cell("grpo_lora", "plain GRPO, LoRA rank 32", (f"{G}enable=false",), drafts=("base",),

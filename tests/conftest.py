@@ -51,6 +51,22 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(len(share))
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Under `make test` (`VERL_MACHINE_PROBE=1`), once the suite is done: how fast the machine
+    ran (`benchmarks/machine_probe.py`, each probe once: about 10 s), so that the suite's time
+    can be read against it."""
+    if os.environ.get("VERL_MACHINE_PROBE") != "1" or hasattr(config, "workerinput"):
+        return
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("machine_probe", os.path.join(root, "benchmarks", "machine_probe.py"))  # fmt: skip
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    terminalreporter.write_line(probe.line(probe.probe(repeats=1), repeats=1))
+
+
 def work_unit(nodeid: str) -> str:
     """The unit of work of a test: "heavy" for the files in HEAVY, else its file."""
     path = nodeid.split("::")[0]
