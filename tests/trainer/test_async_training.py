@@ -234,8 +234,6 @@ def test_guided_multi_turn_staleness_one_keeps_mu_exact_at_the_recorded_version(
         mask = batch["response_mask"].bool()
         p = hf_log_probs(version_path(calling, run_dir, int(batch[VERSION_KEY][0])), batch)
         q = hf_log_probs(calling["guidance"], batch)
-        mu = torch.logaddexp(
-            p + torch.log1p(torch.tensor(-lam)), q + torch.log(torch.tensor(lam))
-        )
+        mu = torch.logaddexp(p + torch.log1p(torch.tensor(-lam)), q + torch.log(torch.tensor(lam)))
         assert (batch["behavior_log_probs"].double() - mu)[mask].abs().max() < 2e-4, batch["step"]
         assert batch["offpolicy_mask"].bool()[mask].any()  # the guidance wrote some policy tokens
