@@ -2,12 +2,13 @@
 # Asynchronous guided GRPO (configs/async.yaml, staleness 1): the draft engines and the guidance
 # generate step s + 1 while the actor trains step s; the decoupled loss corrects the one-version-old
 # samples with π_old/μ. Qwen2.5-1.5B-Instruct draft, Qwen2.5-7B-Instruct guidance, math12k.
-# Hardware: one node, 8 x 80 GB GPUs. The draft engines share the actor's GPUs and keep their
-# memory while it trains (free_cache_engine off); GUIDANCE_GPUS=2 gives the guidance 2 GPUs of its
-# own, so that it serves the rollout beside the training (then 6 ranks: data.rollout_batch_size=96
-# splits evenly). Environment: MODEL_PATH, GUIDANCE_PATH, TRAIN_FILES, VAL_FILES, N_GPUS (per
-# node), NNODES, PYTHON, GUIDANCE_GPUS, STALENESS (default 1). Extra arguments are key=value
-# overrides (or --dry-run).
+# Hardware: one node, 8 x 80 GB GPUs. By default the draft engines share the actor's GPUs and keep
+# their memory while it trains (free_cache_engine off); GUIDANCE_GPUS=2 gives the guidance 2 GPUs
+# of its own and DRAFT_GPUS=2 the draft engines 2 of theirs (one replica each), so that both
+# generate beside the training on GPUs the actor does not use (then 4 ranks). Environment:
+# MODEL_PATH, GUIDANCE_PATH, TRAIN_FILES, VAL_FILES, N_GPUS (per node), NNODES, PYTHON,
+# GUIDANCE_GPUS, DRAFT_GPUS, STALENESS (default 1). Extra arguments are key=value overrides (or
+# --dry-run).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 source "$ROOT/scripts/launcher_gpus.sh" 1  # checks N_GPUS, GUIDANCE_GPUS, NNODES; sets TRAIN_GPUS
@@ -20,4 +21,5 @@ ${PYTHON:-python3} -m verl.trainer.main \
     data.val_files="${VAL_FILES:-hiyouga/math12k@test}" \
     trainer.n_gpus_per_node="$TRAIN_GPUS" \
     worker.rollout.offpolicy_guidance.n_gpus_per_node="$GUIDANCE_GPUS" trainer.nnodes="$NNODES" \
+    worker.rollout.n_gpus_per_node="$DRAFT_GPUS" \
     trainer.experiment_name=qwen2_5_1_5b_math_guided_async "$@"

@@ -23,4 +23,5 @@ ${PYTHON:-python3} -m verl.trainer.main \
     worker.rollout.multi_turn.max_tool_response_length=256 \
     trainer.n_gpus_per_node="$TRAIN_GPUS" \
     worker.rollout.offpolicy_guidance.n_gpus_per_node="$GUIDANCE_GPUS" trainer.nnodes="$NNODES" \
+    worker.rollout.n_gpus_per_node="$DRAFT_GPUS" \
     trainer.experiment_name=qwen2_5_1_5b_tools_guided "$@"

@@ -24,4 +24,5 @@ ${PYTHON:-python3} -m verl.trainer.main \
     data.rollout_batch_size=96 \
     trainer.n_gpus_per_node="$TRAIN_GPUS" \
     worker.rollout.offpolicy_guidance.n_gpus_per_node="$GUIDANCE_GPUS" trainer.nnodes="$NNODES" \
+    worker.rollout.n_gpus_per_node="$DRAFT_GPUS" \
     trainer.experiment_name=qwen2_5_7b_math_lora_guided "$@"

@@ -129,6 +129,18 @@ def test_guidance_gpus_take_their_share_of_the_node():
     assert config.worker.rollout.offpolicy_guidance.n_gpus_per_node == 2
 
 
+def test_draft_gpus_take_their_share_of_the_node():
+    """The async launcher with DRAFT_GPUS=2 and GUIDANCE_GPUS=2 on an 8-GPU node: 4 GPUs for the
+    FSDP ranks, 2 for draft engines of their own (one replica each), 2 for the guidance."""
+    launcher = ROOT / "examples" / "qwen2_5_1_5b_math_guided_async.sh"
+    proc = dry_run(launcher, N_GPUS="8", GUIDANCE_GPUS="2", DRAFT_GPUS="2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config = OmegaConf.create(proc.stdout)
+    assert config.trainer.n_gpus_per_node == 4
+    assert config.worker.rollout.n_gpus_per_node == 2 and config.worker.rollout.num_replicas == 2
+    assert config.worker.rollout.offpolicy_guidance.n_gpus_per_node == 2
+
+
 def test_readme_gpu_quickstart_takes_hub_ids(tmp_path, monkeypatch):
     """README's "On a GPU box" command, hub ids as given, with tiny same-tokenizer models under
     those ids in a local Hugging Face cache (HF_HUB_OFFLINE=1): `--dry-run` passes and keeps the
@@ -189,6 +201,8 @@ GUIDANCE_GPU_LAUNCHERS = ["qwen2_5_1_5b_math_guided.sh", "qwen2_5_1_5b_math_guid
     ("env", "start"),
     [({"N_GPUS": "8", "GUIDANCE_GPUS": "8"}, "error: GUIDANCE_GPUS=8 is not valid with N_GPUS=8; expected 0 "),
      ({"GUIDANCE_GPUS": "two"}, "error: GUIDANCE_GPUS=two is not valid with N_GPUS=8"),
+     ({"GUIDANCE_GPUS": "4", "DRAFT_GPUS": "4"},
+      "error: DRAFT_GPUS=4 is not valid with N_GPUS=8 and GUIDANCE_GPUS=4; expected 0 "),
      ({"N_GPUS": "abc"}, "error: N_GPUS=abc is not valid; expected a whole number >= 1"),
      ({"NNODES": "0"}, "error: NNODES=0 is not valid; expected a whole number >= 1")],
 )  # fmt: skip
@@ -208,7 +222,7 @@ def test_an_uneven_split_names_the_launcher_variables():
     err = proc.stderr.strip()
     assert err.splitlines() == [err]
     assert err.startswith("error: data.rollout_batch_size=128 is not valid; ")
-    assert "launcher: trainer.n_gpus_per_node = N_GPUS - GUIDANCE_GPUS = 8 - 2" in err
+    assert "launcher: trainer.n_gpus_per_node = N_GPUS - GUIDANCE_GPUS - DRAFT_GPUS = 8 - 2 - 0" in err
 
 
 def test_a_dry_run_never_imports_tensordict():

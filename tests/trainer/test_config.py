@@ -656,6 +656,28 @@ def test_more_draft_replicas_than_gpus_are_refused_in_one_line():
     assert load_config(cpu).worker.rollout.num_replicas == 5
 
 
+def test_draft_gpus_of_their_own_give_one_replica_each():
+    """`worker.rollout.n_gpus_per_node: D`: one draft replica per dedicated slot (nnodes x D), on
+    GPUs and on CPU alike, the guidance one per replica unless it has slots of its own; more
+    replicas than slots, or a negative D, are refused in one line."""
+    gpus = ["trainer.device=cuda", "trainer.nnodes=2", "trainer.n_gpus_per_node=4"]
+    own = load_config([*gpus, "worker.rollout.n_gpus_per_node=2"])
+    assert own.worker.rollout.num_replicas == 4  # 2 nodes x 2, not the 8 ranks' GPUs
+    assert own.worker.rollout.offpolicy_guidance.num_replicas == 4
+    cpu = load_config(["trainer.device=cpu", "trainer.nnodes=2", "worker.rollout.n_gpus_per_node=1",
+                       f"{GUIDANCE}.n_gpus_per_node=1"])  # fmt: skip
+    assert cpu.worker.rollout.num_replicas == 2
+    assert cpu.worker.rollout.offpolicy_guidance.num_replicas == 2
+    with pytest.raises(ConfigError) as err:
+        load_config([*gpus, "worker.rollout.n_gpus_per_node=2", "worker.rollout.num_replicas=5"])
+    assert str(err.value) == (
+        "worker.rollout.num_replicas=5 is not valid; expected at most trainer.nnodes x "
+        "worker.rollout.n_gpus_per_node = 4 (one draft engine per dedicated GPU)"
+    )
+    with pytest.raises(ConfigError, match=r"^worker\.rollout\.n_gpus_per_node=-1 is not valid"):
+        load_config(["worker.rollout.n_gpus_per_node=-1"])
+
+
 # ---------------------------------------------------------------------------------- derived keys
 
 

@@ -76,7 +76,9 @@ def two_nodes():
                          ids=["colocated+mentor", "dedicated+mentor_exact"])  # fmt: skip
 def test_two_guided_steps_spread_over_two_nodes(assets, tmp_path, two_nodes, dedicated, recipe):
     """Each placement runs one of MENTOR's recipes (orthogonal to where the workers are), so that
-    both recipes' 2-step runs cost no run of their own."""
+    both recipes' 2-step runs cost no run of their own. Colocated: a node's bundle holds its rank,
+    its draft replica and that one's guidance. Dedicated: the draft replicas and the guidance
+    engines each in slots of their own, on their rank's node (the async GPU launcher's layout)."""
     import ray
 
     from verl.trainer.config import load_config
@@ -86,7 +88,8 @@ def test_two_guided_steps_spread_over_two_nodes(assets, tmp_path, two_nodes, ded
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2
     run_dir = str(tmp_path / "run")
     extra = mentor_overrides(recipe, trainer={"nnodes": 2, "n_gpus_per_node": 1, "val_before_train": False},
-                             worker={"rollout": {"num_replicas": 2, "offpolicy_guidance": {"n_gpus_per_node": dedicated}}})  # fmt: skip
+                             worker={"rollout": {"num_replicas": 2, "n_gpus_per_node": dedicated,
+                                                 "offpolicy_guidance": {"n_gpus_per_node": dedicated}}})  # fmt: skip
     trainer = None
     try:
         prepared = prepare(load_config(overrides=overrides(assets, run_dir, **extra)))
@@ -105,6 +108,10 @@ def test_two_guided_steps_spread_over_two_nodes(assets, tmp_path, two_nodes, ded
             if dedicated
             else [],
         }
+        if dedicated:  # the drafts' own slots, one group per node, each on its ranks' node
+            draft_nodes = [trainer.rollout_placement.node_of(i) for i in range(2)]
+        else:
+            assert trainer.rollout_placement is None
         trainer.fit()
     finally:
         if trainer is not None:
@@ -112,7 +119,9 @@ def test_two_guided_steps_spread_over_two_nodes(assets, tmp_path, two_nodes, ded
     nodes = [node for node, _ in ranks]
     assert len(set(nodes)) == 2  # rank 0 on one node, rank 1 on the other, each in its node's group
     assert [group for _, group in ranks] == groups["main"]
-    assert replicas == nodes  # each draft replica beside its rank
+    assert replicas == nodes  # each draft replica beside its rank (in its bundle, or its own)
+    if dedicated:
+        assert draft_nodes == nodes
     assert [node for node, _ in services] == nodes  # each guidance service on its replica's node,
     # in its replica's bundle, or in a dedicated guidance bundle of that node
     if dedicated:

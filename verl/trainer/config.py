@@ -338,9 +338,10 @@ class PPOConfig:
             stale = self.async_training.staleness > 0
             algo.tis_level = "token" if guidance.enable or stale else "none"
         if rollout.num_replicas is None:  # one engine per tensor-parallel group of GPUs; 1 on CPU
-            world = self.trainer.nnodes * self.trainer.n_gpus_per_node
+            own = self.trainer.nnodes * rollout.n_gpus_per_node  # (or one per dedicated GPU)
+            world = own or self.trainer.nnodes * self.trainer.n_gpus_per_node
             rollout.num_replicas = (
-                max(1, world // rollout.tensor_parallel_size) if self.trainer.use_gpu else 1
+                max(1, world // rollout.tensor_parallel_size) if self.trainer.use_gpu or own else 1
             )
         if guidance.num_replicas is None:  # one guidance engine per draft replica or dedicated GPU
             dedicated = self.trainer.nnodes * guidance.n_gpus_per_node
@@ -441,7 +442,12 @@ class PPOConfig:
         """On GPUs each draft replica holds its own GPUs (tensor_parallel_size of them): more than
         the cluster's would wait forever for a placement that can never be granted."""
         rollout = self.worker.rollout
-        if not self.trainer.use_gpu or rollout.num_replicas is None:
+        own = self.trainer.nnodes * rollout.n_gpus_per_node
+        if own and rollout.num_replicas is not None and rollout.num_replicas > own:
+            fail("worker.rollout.num_replicas", rollout.num_replicas,
+                 f"expected at most trainer.nnodes x worker.rollout.n_gpus_per_node = {own} (one draft "
+                 "engine per dedicated GPU)")  # fmt: skip
+        if not self.trainer.use_gpu or rollout.num_replicas is None or own:
             return
         most = world // rollout.tensor_parallel_size
         if rollout.num_replicas > most:

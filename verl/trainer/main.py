@@ -327,7 +327,8 @@ def start_ray(config: PPOConfig) -> None:
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=env)
         return
     guidance = config.worker.rollout.offpolicy_guidance
-    per_node = config.trainer.n_gpus_per_node + (guidance.n_gpus_per_node if guidance.enable else 0)
+    per_node = (config.trainer.n_gpus_per_node + config.worker.rollout.n_gpus_per_node
+                + (guidance.n_gpus_per_node if guidance.enable else 0))  # fmt: skip
     workers = config.trainer.nnodes * per_node
     quiet = bool(os.environ.get(WORKER_LOG_ENV))  # the workers write to files (`make demo`)
     if quiet:

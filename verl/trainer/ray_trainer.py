@@ -144,6 +144,7 @@ class RayPPOTrainer:
         self.use_gpu = trainer.use_gpu
         self._bucket_plan: list[list[str]] | None = None
         self.placement: Placement | None = None  # FSDP ranks, draft replicas (+ guidance)
+        self.rollout_placement: Placement | None = None  # dedicated draft GPUs
         self.guidance_placement: Placement | None = None  # dedicated guidance GPUs
         self.seen_indices: list[list[int]] = []  # dataset rows of each step (resume checks)
         self._resume_state: dict | None = None  # asynchronous: the last trained batch's state
@@ -156,19 +157,33 @@ class RayPPOTrainer:
         """Actor (+ colocated reference) FSDP ranks, the draft replicas and the guidance services."""
         cfg = self.config
         role = "actor_ref" if cfg.uses_reference else "actor"
-        share = 0.5 if self.use_gpu else 0  # actor and rollout share each GPU
         rollout = cfg.worker.rollout
+        own = rollout.n_gpus_per_node  # draft engines on GPUs of their own
+        # a GPU's share of a rank, and of a draft replica with its guidance: half each of the
+        # rank's GPU, or a whole GPU each when the drafts have GPUs of their own
+        share = (1.0 if own else 0.5) if self.use_gpu else 0
         cpus = 1 if self.use_gpu else 1 / rollout.num_replicas  # on CPU the replicas share cores
         guided = rollout.offpolicy_guidance.enable
         dedicated = rollout.offpolicy_guidance.n_gpus_per_node if guided else 0
         gpu = {"GPU": 1} if self.use_gpu else {}
+        # (CPU: every share is a token of the same cores; a rank's bundle keeps its replica's token
+        # wherever the replica runs, so the ranks alone decide how many of them fit on a node)
+        token = 0.25
         if self.use_gpu or cfg.trainer.nnodes > 1:  # a bundle per GPU: its rank, replica, guidance
+            rank_cpus = 1 + (0 if own and self.use_gpu else cpus)
             self.placement = Placement.create(
-                cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, {"CPU": 1 + cpus, **gpu}
+                cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, {"CPU": rank_cpus, **gpu}
+            )
+        if own:  # the draft replicas on GPUs of their own, one each
+            cpus = 1 if self.use_gpu else token
+            self.rollout_placement = Placement.create(
+                cfg.trainer.nnodes, own, {"CPU": cpus, **gpu}, near=self.placement
             )
         if dedicated:  # the guidance engines on GPUs of their own, one each
-            slot = gpu or {"CPU": 0.5}  # (CPU: a token share, the engines share the cores)
-            self.guidance_placement = Placement.create(cfg.trainer.nnodes, dedicated, slot)
+            slot = gpu or {"CPU": token}
+            self.guidance_placement = Placement.create(
+                cfg.trainer.nnodes, dedicated, slot, near=self.placement
+            )
             guidance = 1 if self.use_gpu else 0
         else:  # on a GPU the rollout's share is split between a draft replica and its guidance
             guidance = share / 2 if guided else 0
@@ -183,14 +198,15 @@ class RayPPOTrainer:
                 print(f"warning: {notice}", file=sys.stderr, flush=True)
         self.rollout = RolloutGroup(rollout.num_replicas, cfg.worker.actor.model.model_path, rollout, num_cpus=cpus,
                                     num_gpus=share - (0 if dedicated else guidance), guidance_gpus=guidance,
-                                    placement=self.placement, guidance_placement=self.guidance_placement,
+                                    placement=self.rollout_placement or self.placement,
+                                    guidance_placement=self.guidance_placement,
                                     cpu_share=0.5 if overlap else 1.0)  # fmt: skip
 
     def shutdown(self) -> None:
         """Stop this trainer's Ray actors (Ray itself keeps running)."""
         self.actor_wg.shutdown()
         self.rollout.shutdown()
-        for placement in (self.placement, self.guidance_placement):
+        for placement in (self.placement, self.rollout_placement, self.guidance_placement):
             if placement is not None:
                 placement.remove()
 

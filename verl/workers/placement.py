@@ -3,7 +3,8 @@ hybrid engine). Bundle i of node n holds FSDP rank n * per_node + i, and with it
 draft replica and of that replica's guidance service, so a GPU's actors stay on that GPU's node.
 
 Used when the run spans nodes (`trainer.nnodes > 1`) or GPUs; a one-node CPU run lets Ray place
-its few actors itself. The placement groups are created before any actor, and a cluster that
+its few actors itself. Draft and guidance engines on GPUs of their own get placements of their
+own, node by node beside the ranks' (`near`). The placement groups are created before any actor, and a cluster that
 cannot hold them fails in `PLACEMENT_TIMEOUT_S` with one line instead of waiting forever.
 """
 
@@ -28,9 +29,17 @@ class Placement:
     bundle: dict[str, float]
 
     @classmethod
-    def create(cls, nnodes: int, per_node: int, bundle: dict[str, float]) -> Placement:
-        """Reserve the bundles (STRICT_PACK: a node's bundles on one node); one line on failure."""
-        groups = [placement_group([dict(bundle)] * per_node, strategy="STRICT_PACK") for _ in range(nnodes)]  # fmt: skip
+    def create(
+        cls, nnodes: int, per_node: int, bundle: dict[str, float], near: Placement | None = None
+    ) -> Placement:
+        """Reserve the bundles (STRICT_PACK: a node's bundles on one node); one line on failure.
+        `near`: group i asks for the node of `near`'s group i (dedicated draft or guidance GPUs
+        beside their node's ranks; a hint, Ray's `_soft_target_node_id`: elsewhere when that node
+        is full)."""
+        targets = [near.node_of(i * near.per_node) if near is not None and near.groups else None
+                   for i in range(nnodes)]  # fmt: skip
+        groups = [placement_group([dict(bundle)] * per_node, strategy="STRICT_PACK", _soft_target_node_id=target)
+                  for target in targets]  # fmt: skip
         ready, _ = ray.wait(
             [g.ready() for g in groups], num_returns=nnodes, timeout=PLACEMENT_TIMEOUT_S
         )

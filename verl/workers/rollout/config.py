@@ -217,7 +217,9 @@ class RolloutConfig:
     weight_sync_bucket_mb: float = 256.0
     """Weight sync streams the actor's weights to the replicas in buckets of at most this many MiB."""
     num_replicas: int | None = None
-    """Draft engines (Ray actors), a step's prompts split over them by whole groups (None: auto = GPUs / tensor_parallel_size, 1 on CPU)."""
+    """Draft engines (Ray actors), a step's prompts split over them by whole groups (None: auto = GPUs / tensor_parallel_size, 1 on CPU; with `n_gpus_per_node`, one per dedicated GPU)."""
+    n_gpus_per_node: int = 0
+    """GPUs per node of the draft engines' own, one engine on each, so that they generate while the actor trains (0: colocated, on the FSDP ranks' GPUs)."""
     enforce_eager: bool = False
     """Disable CUDA graphs."""
     free_cache_engine: bool = True
@@ -272,6 +274,7 @@ class RolloutConfig:
         )
         if self.num_replicas is not None:
             check_range(f"{prefix}.num_replicas", self.num_replicas, 1)
+        check_range(f"{prefix}.n_gpus_per_node", self.n_gpus_per_node, 0)
         check_range(f"{prefix}.max_num_seqs", self.max_num_seqs, 1)
         check_range(f"{prefix}.max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.kv_block_size is not None and (self.kv_block_size < 1 or self.kv_block_size % 16):
