@@ -12,8 +12,8 @@ import types
 
 import pytest
 
-from verl.utils import fsdp_utils
-from verl.utils.fsdp_utils import flash_attn_import_error, resolve_attn_implementation
+from verl.utils import attention
+from verl.utils.attention import flash_attn_import_error, resolve_attn_implementation
 
 ABI_ERROR = "flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi"
 
@@ -36,10 +36,10 @@ class RaisingExtension(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 @pytest.fixture(autouse=True)
 def fresh_resolver(monkeypatch):
     """No cached import result or earlier warning; no real flash-attn (there is none here)."""
-    for name in fsdp_utils.FLASH_ATTN_MODULES:
+    for name in attention.FLASH_ATTN_MODULES:
         monkeypatch.delitem(sys.modules, name, raising=False)
     flash_attn_import_error.cache_clear()
-    monkeypatch.setattr(fsdp_utils, "_WARNED", set())
+    monkeypatch.setattr(attention, "_WARNED", set())
     yield
     flash_attn_import_error.cache_clear()
 
@@ -53,7 +53,7 @@ def install_flash_attn(monkeypatch, extension_works: bool) -> None:
 
 
 def test_plain_kernels_and_cpu_never_import_flash_attn(monkeypatch, capsys):
-    monkeypatch.setattr(fsdp_utils, "flash_attn_import_error", lambda: pytest.fail("imported"))
+    monkeypatch.setattr(attention, "flash_attn_import_error", lambda: pytest.fail("imported"))
     assert resolve_attn_implementation("auto", "cpu") == "sdpa"
     assert resolve_attn_implementation("eager", "cpu") == "eager"
     assert resolve_attn_implementation("sdpa", "cuda") == "sdpa"

@@ -96,7 +96,7 @@ def test_loading_an_incomplete_checkpoint_fails_clearly(sharded, tmp_path):
 
 
 def test_attention_kernel_resolution():
-    from verl.utils.fsdp_utils import resolve_attn_implementation
+    from verl.utils.attention import resolve_attn_implementation
 
     assert resolve_attn_implementation("auto", "cpu") == "sdpa"
     with pytest.raises(ValueError, match="no CUDA device"):  # FA2 needs CUDA (more: test_attn_*)

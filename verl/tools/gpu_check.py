@@ -268,7 +268,7 @@ def versions() -> list[str]:
             lines.append(f"{name} {__import__(name).__version__}")
         except Exception as error:  # (reported, not raised)
             lines.append(f"{name}: does not import ({type(error).__name__}: {error})")
-    from verl.utils.fsdp_utils import flash_attn_import_error
+    from verl.utils.attention import flash_attn_import_error
 
     why = flash_attn_import_error()
     lines.append("flash-attn imports (attn auto: flash_attention_2)" if why is None else f"flash-attn: not used ({why}; attn auto: sdpa)")  # fmt: skip

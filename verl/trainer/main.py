@@ -102,7 +102,7 @@ def _build_embedded_if_needed(config: PPOConfig) -> None:
 
 def _check_attn_implementation(config: PPOConfig) -> None:
     """flash_attention_2 needs CUDA here: one line now, not a traceback from every rank at load."""
-    from verl.utils.fsdp_utils import resolve_attn_implementation
+    from verl.utils.attention import resolve_attn_implementation
 
     attn = config.worker.actor.model.attn_implementation
     if attn == "flash_attention_2":

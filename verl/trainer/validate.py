@@ -25,7 +25,7 @@ def check_machine(config) -> None:
     a GPU cluster, so the device is left to the workers there."""
     import torch
 
-    from verl.utils.fsdp_utils import resolve_attn_implementation
+    from verl.utils.attention import resolve_attn_implementation
 
     trainer = config.trainer
     if trainer.device == "cuda" and not os.environ.get("RAY_ADDRESS"):

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
-import sys
 from datetime import timedelta
 
 import torch
@@ -15,14 +13,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from verl.utils.attention import device_type, resolve_attn_implementation
 from verl.utils.lora import is_lora
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def device_type() -> str:
-    """ "cuda" when a GPU is visible, else "cpu"."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def release_cuda_cache() -> bool:
@@ -59,56 +53,6 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
             backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=30)
         )
     return init_device_mesh(kind, (world_size,), mesh_dim_names=("dp",))
-
-
-FLASH_ATTN_MODULES = ("flash_attn", "flash_attn_2_cuda")
-"""What a usable flash-attn imports: the package and its compiled CUDA extension (a build for
-another torch fails here with an undefined symbol, instead of crashing every rank at load)."""
-_WARNED: set[str] = set()
-
-
-@functools.cache
-def flash_attn_import_error() -> str | None:
-    """None when flash-attn and its CUDA extension import in this process, else why not, in one
-    line. Cached: the import is tried once per process."""
-    import importlib
-
-    for name in FLASH_ATTN_MODULES:
-        try:
-            importlib.import_module(name)
-        except Exception as error:  # ImportError, OSError (ABI), RuntimeError (no CUDA), ...
-            detail = str(error).strip().splitlines()
-            return f"import {name} failed: {type(error).__name__}" + (
-                f": {detail[0]}" if detail else ""
-            )
-    return None
-
-
-def resolve_attn_implementation(
-    requested: str, device: str | None = None, key: str = "worker.actor.model.attn_implementation"
-) -> str:
-    """auto -> flash_attention_2 on CUDA when flash-attn really imports (`flash_attn_import_error`),
-    else sdpa with one warning line (once per process). An explicit flash_attention_2 that cannot
-    run here (no CUDA, or flash-attn does not import) raises ValueError in one line."""
-    device = device or device_type()
-    if requested not in ("auto", "flash_attention_2"):
-        return requested
-    why = "this process has no CUDA device" if device != "cuda" else flash_attn_import_error()
-    if why is None:
-        return "flash_attention_2"
-    if requested == "flash_attention_2":
-        how = (
-            ""
-            if device != "cuda"
-            else " (VERL_FLASH_ATTN=1 bash scripts/setup_env.sh builds flash-attn)"
-        )
-        raise ValueError(
-            f"{key}='flash_attention_2' cannot be used: {why}; valid here: auto, sdpa, eager{how}"
-        )
-    if device == "cuda" and why not in _WARNED:
-        _WARNED.add(why)
-        print(f"warning: flash-attn is not usable ({why}); attention uses sdpa", file=sys.stderr)
-    return "sdpa"
 
 
 def load_hf_model(
