@@ -222,7 +222,9 @@ def test_an_uneven_split_names_the_launcher_variables():
     err = proc.stderr.strip()
     assert err.splitlines() == [err]
     assert err.startswith("error: data.rollout_batch_size=128 is not valid; ")
-    assert "launcher: trainer.n_gpus_per_node = N_GPUS - GUIDANCE_GPUS - DRAFT_GPUS = 8 - 2 - 0" in err
+    assert (
+        "launcher: trainer.n_gpus_per_node = N_GPUS - GUIDANCE_GPUS - DRAFT_GPUS = 8 - 2 - 0" in err
+    )
 
 
 def test_a_dry_run_never_imports_tensordict():
