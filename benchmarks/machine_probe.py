@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,11 +41,7 @@ print(time.perf_counter() - start)
 def one_core() -> list[str]:
     """`taskset` onto the first core this process may use (nothing where taskset is missing)."""
     core = min(os.sched_getaffinity(0))
-    return ["taskset", "-c", str(core)] if _has_taskset() else []
-
-
-def _has_taskset() -> bool:
-    return subprocess.run(["sh", "-c", "command -v taskset"], capture_output=True).returncode == 0
+    return ["taskset", "-c", str(core)] if shutil.which("taskset") else []
 
 
 def import_seconds() -> float:
