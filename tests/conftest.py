@@ -16,8 +16,8 @@ os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 # (`FileGroups`), so a module's engines and runs are built once, on one worker. The files below
 # start several engine processes or a Ray cluster of their own at a time: they make one unit, so
 # never two of them run at once (two at once went past the 23.5 GiB of a CI machine).
-HEAVY = ("tests/trainer/test_two_nodes.py", "tests/workers/rollout/test_replicas.py",
-         "tests/trainer/test_real_training.py", "tests/workers/test_weight_sync.py")  # fmt: skip
+HEAVY = ("tests/trainer/test_two_nodes.py", "tests/trainer/test_real_training.py",
+         "tests/workers/test_weight_sync.py")  # fmt: skip
 # The longest units go first, longest first (seconds of one core each, from `--durations=0`), so
 # that neither worker is left with a long one at the end while the other idles (xdist never moves
 # a unit once queued, and its own reordering, by test count, is off); the rest keep their order.

@@ -219,10 +219,20 @@ def test_the_trainers_forward_matches_the_engine(trainer_batch):
 
 
 def test_tool_tokens_carry_no_gradient(trainer_batch):
-    """One update of the draft with random advantages on policy tokens, and again with large
-    advantages, old and behavior log-probs written on the tool tokens: the same parameters."""
-    data, actor, model = trainer_batch
-    data = copy.deepcopy(data)
+    """One update of the draft on two episodes that ran a tool, with random advantages on policy
+    tokens, and again with large advantages, old and behavior log-probs written on the tool
+    tokens: the same parameters."""
+    from verl.workers.actor.config import ActorConfig
+    from verl.workers.actor.dp_actor import DataParallelPPOActor
+
+    data, _, model = trainer_batch
+    # two episodes that ran a tool (a gradient's cost grows with the rows; two show it as well)
+    rows = torch.nonzero(data.batch["tool_mask"].any(-1)).flatten()[:2]
+    assert len(rows) == 2, "fewer than two episodes ran a tool"
+    data = copy.deepcopy(data.index_select(rows))
+    cfg = ActorConfig(micro_batch_size_per_device_for_experience=2, micro_batch_size_per_device_for_update=2,
+                      global_batch_size=2)  # fmt: skip
+    actor = DataParallelPPOActor(cfg, model)
     b = data.batch
     policy, tool = b["response_mask"].bool(), b["tool_mask"].bool()
     gen = torch.Generator().manual_seed(0)

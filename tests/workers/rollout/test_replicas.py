@@ -1,5 +1,7 @@
 """Rollout replicas: a step's prompts split by whole groups over several draft engines give the
-same sequences as one engine (per-sequence seeds), and the replicas' meta_info merges exactly."""
+same sequences as one engine (per-sequence seeds), and the replicas' meta_info merges exactly.
+The same tokens from 2 Ray replicas sharing a guidance service as from one engine, on the real
+engines, is tests/workers/rollout/test_vision_rollout.py's replica test (prompts with images)."""
 
 from __future__ import annotations
 
@@ -41,63 +43,3 @@ def test_merged_meta_sums_counts_and_recomputes_rates_by_hand():
         [{"lam": 0.0, "emitted_tokens": 3}, {"lam": 0.0, "emitted_tokens": 4}]
     )
     assert plain == {"lam": 0.0, "emitted_tokens": 7}
-
-
-@pytest.mark.e2e
-def test_two_ray_replicas_give_the_tokens_of_one(tmp_path, rollout_gpus):
-    """`RolloutGroup` with 2 draft replicas sharing 1 guidance service against one engine (its
-    first replica given the whole batch, as a group of one replica gives it): identical tokens and
-    masks, log-probs equal to float rounding, in speculative mode and with the draft alone
-    (guidance off for the call, as validation). Sharing is the layout where the service has to
-    keep two replicas' sessions apart; a replica with a service of its own runs the same replica
-    code (the two-node runs of tests/trainer/test_two_nodes.py train with 2 + 2). Mix mode's split
-    is checked on one engine in test_vllm_rollout.py (the same per-replica code)."""
-    import dataclasses
-
-    import ray
-    from test_vllm_rollout import (
-        PROMPTS,
-        VOCAB,
-        assert_same_sequences,
-        prompt_batch,
-        rollout_config,
-    )
-    from transformers import AutoTokenizer
-
-    from verl.tasks.tiny_lm import TinyLMSpec, save_tiny_lm
-    from verl.workers.rollout.worker import RolloutGroup
-
-    draft = save_tiny_lm(
-        str(tmp_path / "d"),
-        TinyLMSpec(hidden_size=64, num_hidden_layers=1, vocab_size=VOCAB, seed=1),
-    )
-    guide = save_tiny_lm(str(tmp_path / "g"), TinyLMSpec(hidden_size=128, num_hidden_layers=1, vocab_size=VOCAB, seed=2))  # fmt: skip
-    tok = AutoTokenizer.from_pretrained(draft)
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False)
-    outs = {}
-    try:
-        config = rollout_config(guide)
-        config.offpolicy_guidance = dataclasses.replace(config.offpolicy_guidance, num_replicas=1)
-        group = RolloutGroup(2, draft, config, **rollout_gpus(2, 1))
-        assert len(group.services) == 1
-        try:
-            for mode, meta in (("spec", {"lam": 0.5}), ("off", {"guidance": False})):
-                batch = prompt_batch(tok, PROMPTS, n=3, temperature=1.0, global_step=1, **meta)
-                outs[2, 1, mode] = group.generate_sequences(batch)
-                one = ray.get(group.replicas[0].generate_sequences.remote(batch))
-                one.meta_info = merge_rollout_meta([one.meta_info])
-                outs[1, 1, mode] = one
-        finally:
-            group.shutdown()
-    finally:
-        if started:
-            ray.shutdown()
-    for mode in ("spec", "off"):
-        assert_same_sequences(outs[1, 1, mode], outs[2, 1, mode])
-    one, shared = outs[1, 1, "spec"], outs[2, 1, "spec"]
-    a, b = one.meta_info, shared.meta_info  # counts summed over the replicas
-    assert a["emitted_tokens"] == b["emitted_tokens"] == int(one.batch["response_mask"].sum())
-    assert a["accepted_tokens"] == b["accepted_tokens"] and a["accept_rate"] == b["accept_rate"]
-    assert one.batch["offpolicy_mask"].any()

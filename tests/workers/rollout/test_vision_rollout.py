@@ -205,10 +205,16 @@ def first_row(path: str, vision) -> torch.Tensor:
 
 @pytest.mark.e2e
 def test_two_ray_replicas_sharing_a_guidance_service_give_the_tokens_of_one(pair, rollout_gpus):
-    """Speculative guidance with images through `RolloutGroup`: 2 draft replicas sharing 1 guidance
-    service (the images travel to each replica with its rows; the service opens each replica's
-    sessions with them under the replica's prefix) against the first replica given the whole
-    batch: identical tokens and masks, log-probs equal to float rounding."""
+    """`RolloutGroup` with images: 2 draft replicas sharing 1 guidance service against one engine
+    (its first replica given the whole batch, as a group of one replica gives it): identical tokens
+    and masks, log-probs equal to float rounding, with speculative guidance and with the draft alone
+    (guidance off for the call, as validation), and the counts of the merged meta_info equal to
+    one replica's. The images travel to each replica with its rows; the service opens each
+    replica's sessions with them under the replica's prefix. Sharing is the layout where the
+    service has to keep two replicas' sessions apart; a replica with a service of its own runs the
+    same replica code (the two-node runs of tests/trainer/test_two_nodes.py train with 2 + 2), and
+    a text prompt is the same path without images (the e2e runs train with 2 replicas). Mix mode's
+    split is checked on one engine in test_vllm_rollout.py (the same per-replica code)."""
     import numpy as np
     import ray
     from test_vllm_rollout import assert_same_sequences
@@ -217,21 +223,31 @@ def test_two_ray_replicas_sharing_a_guidance_service_give_the_tokens_of_one(pair
 
     draft, guidance, dataset = pair
     cfg = vision_config(guidance, 8, lam=LAM, num_replicas=1)
-    data = batch(dataset, global_step=1)
-    data.non_tensor_batch["uid"] = np.array(["a", "b"], dtype=object)
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", num_cpus=4, include_dashboard=False)
+    outs = {}
     try:
         group = RolloutGroup(2, draft, cfg, **rollout_gpus(2, 1))
+        assert len(group.services) == 1
         try:
-            many = group.generate_sequences(data)
-            one = ray.get(group.replicas[0].generate_sequences.remote(data))
-            one.meta_info = merge_rollout_meta([one.meta_info])
+            for mode, meta in (("spec", {}), ("off", {"guidance": False})):
+                data = batch(dataset, global_step=1, **meta)
+                data.non_tensor_batch["uid"] = np.array(["a", "b"], dtype=object)
+                outs["many", mode] = group.generate_sequences(data)
+                one = ray.get(group.replicas[0].generate_sequences.remote(data))
+                one.meta_info = merge_rollout_meta([one.meta_info])
+                outs["one", mode] = one
         finally:
             group.shutdown()
     finally:
         if started:
             ray.shutdown()
-    assert_same_sequences(one, many)
+    for mode in ("spec", "off"):
+        assert_same_sequences(outs["one", mode], outs["many", mode])
+    one, shared = outs["one", "spec"], outs["many", "spec"]
+    a, b = one.meta_info, shared.meta_info  # counts summed over the replicas
+    assert a["emitted_tokens"] == b["emitted_tokens"] == int(one.batch["response_mask"].sum())
+    assert a["accepted_tokens"] == b["accepted_tokens"] and a["accept_rate"] == b["accept_rate"]
     assert one.batch["offpolicy_mask"].any()
+    assert not outs["one", "off"].batch["offpolicy_mask"].any()  # the draft alone wrote every token
