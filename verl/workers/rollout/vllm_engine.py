@@ -3,9 +3,9 @@ what was built, and the few operations on a live engine that reach past `vllm.LL
 
 With `vllm_sessions.py`, the only module that imports the session patch or touches vLLM's private
 internals (engine core, model runner, sleep state); everything else calls `build_llm`,
-`reload_weights`, `is_sleeping`, `vocab_size` and `RequestStream` (requests added while the
-engine steps). tests/workers/rollout/test_vllm_door.py parses
-every module and fails when another one reaches in (docs/design.md#the-vllm-door-and-the-patch).
+`reload_weights`, `close_llm`, `shutdown_core`, `is_sleeping`, `vocab_size` and `RequestStream`
+(requests added while the engine steps). tests/workers/rollout/test_vllm_door.py parses every
+module and fails when another one reaches in (docs/design.md#the-vllm-door-and-the-patch).
 
 vLLM 0.32 picks several things by platform that the rollout depends on: it builds
 Model Runner V2 wherever Triton is usable (the session patch changes the V1 runner), turns async
@@ -221,6 +221,13 @@ def close_llm(llm) -> None:
         client.engine_core.model_executor.shutdown()
     gc.unfreeze()
     gc.collect()
+
+
+def shutdown_core(llm) -> None:
+    """Shut an in-process engine's core down (its worker, and vLLM's process-wide distributed
+    state), without `close_llm`'s collection passes: for a process that exits right after."""
+    _LIVE.discard(llm)
+    llm.llm_engine.engine_core.shutdown()
 
 
 class RequestStream:
