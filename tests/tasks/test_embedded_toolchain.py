@@ -235,7 +235,7 @@ def test_a_tiny_build_runs_end_to_end_and_is_cached(tmp_path):
         record = json.load(f)
     assert record["task"] == "toolchain" and record["measure"] == "sampled"
     curve = [tuple(evaluation) for evaluation in record["curve"]]
-    assert [step for step, _ in curve] == [0, 2, 4]  # below a tenth of 50 %: every 2 steps
+    assert [step for step, _ in curve] == [0, 2, 4]  # below DENSE_FROM (1 %) of 50 %: every 2 steps
     assert pick_snapshots(curve, spec.targets)["guidance"] == (
         record["step"],
         record["test_accuracy"],

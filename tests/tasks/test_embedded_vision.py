@@ -152,7 +152,7 @@ def test_a_tiny_build_writes_a_vlm_pair_that_loads_and_is_cached(tmp_path):
     with open(tmp_path / "count" / "guidance" / "embedded.json") as f:
         record = json.load(f)
     assert record["task"] == "count" and record["measure"] == "sampled"
-    assert [step for step, _ in record["curve"]] == [0, 2, 4]  # below a tenth of 50 %: every 2
+    assert [step for step, _ in record["curve"]] == [0, 2, 4]  # below 1 % of 50 %: every 2
     assert any("below its target" in line for line in logs)
     for name in ("draft", "guidance"):
         folder = str(tmp_path / "count" / name)
