@@ -64,7 +64,45 @@ def test_scores_in_order_then_reports_a_failing_request_and_stops(model):
         process.call("close")
     finally:
         process.shutdown()
-    assert wait_exit(process) is not None
+    assert wait_exit(process) == 0  # ended by `exit_now` after its engine core's shutdown
+
+
+def test_exit_now_shuts_the_core_down_then_exits_zero_even_when_that_fails(monkeypatch, capsys):
+    """The child's way out (`guidance_server.exit_now`), on stand-ins for the engine and for
+    `os._exit`: the engine core's shutdown runs once, then the process exits with 0; a failing
+    shutdown is reported in one line and the process still exits with 0."""
+    from types import SimpleNamespace
+
+    from verl.workers.rollout import guidance_server
+
+    class Exited(Exception):
+        pass
+
+    def fake_exit(code: int) -> None:
+        raise Exited(code)
+
+    monkeypatch.setattr(guidance_server.os, "_exit", fake_exit)
+    calls = []
+
+    class Engine:  # what `exit_now` reads of a `vllm.LLM` (weak-referenceable, as one is)
+        def __init__(self, fail: bool) -> None:
+            def shutdown() -> None:
+                calls.append("shutdown")
+                if fail:
+                    raise RuntimeError("boom")
+
+            self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=shutdown))
+
+    for fail in (False, True):
+        with pytest.raises(Exited) as exited:
+            guidance_server.exit_now(Engine(fail))
+        assert exited.value.args == (0,)
+    assert calls == ["shutdown", "shutdown"]
+    assert capsys.readouterr().err.strip() == (
+        "guidance engine process: engine shutdown failed: RuntimeError('boom')"
+    )
+    with pytest.raises(Exited):  # no engine built (a failed "init"): straight out
+        guidance_server.exit_now(None)
 
 
 def test_a_bad_model_path_fails_at_start_with_the_childs_error(tmp_path):
@@ -80,7 +118,7 @@ def test_the_child_exits_when_its_parent_side_closes(model):
     process = GuidanceProcess(llm_kwargs(model))
     process.wait_ready()
     process._conn.close()  # what the kernel does when the parent dies
-    assert wait_exit(process) is not None
+    assert wait_exit(process) == 0
     with pytest.raises(RuntimeError, match=r"gone|died"):
         process.submit("capacity", 10)
         process.result()
