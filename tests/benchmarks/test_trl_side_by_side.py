@@ -42,7 +42,11 @@ def test_trl_config_maps_our_plain_grpo_recipe():
 
 
 def test_trl_config_follows_our_batch_settings():
-    trl = T.trl_config(ours(2, "worker.actor.global_batch_size=128"), 2, 0, "/tmp/o")
+    batch = (
+        "worker.actor.global_batch_size=128",
+        "worker.actor.micro_batch_size_per_device_for_update=128",
+    )
+    trl = T.trl_config(ours(2, *batch), 2, 0, "/tmp/o")
     assert trl["steps_per_generation"] == 4 and trl["max_steps"] == 8
     assert trl["per_device_train_batch_size"] == 128
 

@@ -149,8 +149,10 @@ def check_run(name: str, rows: list[dict], keys: list[str], steps: int = 2, trai
 
 
 RUNS = [
+    # plain GRPO with π_old from the rollout (no separate forward: mismatch/* from the update)
     ("guidance_off", {"worker": {"rollout": {"offpolicy_guidance": {"enable": False}}},
                       "data": {"val_files": "embedded://arithmetic@test"},
+                      "algorithm": {"proximal": "rollout"},
                       "trainer": {"val_generations_to_log": 3}}, []),
     # mix mode, and (orthogonal) LoRA (configs/lora.yaml) with the KL loss on: the reference is
     # the base model, adapters off
@@ -195,6 +197,8 @@ def test_two_step_run_trains_and_logs_finite_metrics(
         assert "val/reward_score" in rows[0] and rows[0]["step"] == 0
         assert "val/reward_score" in rows[-1] and rows[-1]["step"] == 2
         assert not any(k.startswith("guidance/") for r in steps for k in r)
+        assert not any("timing_s/old_log_prob" in r for r in steps)  # no π_old forward ran
+        assert all(0 <= r["mismatch/kl_v2"] < 1e-6 for r in steps)  # float32: rounding only
         with open(os.path.join(run_dir, "val_generations.jsonl")) as f:  # the same 3 each time
             samples = [json.loads(line) for line in f]
         assert [s["step"] for s in samples] == [0, 0, 0, 2, 2, 2]
@@ -314,7 +318,8 @@ MULTITURN_KEYS = ["multiturn/turns_mean", "multiturn/tool_calls_mean", "multitur
 def test_two_step_guided_multi_turn_run_trains_and_logs_its_metrics(assets, ray_session, tmp_path):
     """Multi-turn with the `lookup` tool and speculative guidance (λ = 0.5), on char models
     edited to close calls often, the two with different strengths: episodes have tool turns and
-    the guidance writes some policy tokens. (The real pair's multi-turn run, through the command
+    the guidance writes some policy tokens; π_old is the draft engine's (`algorithm.proximal:
+    rollout`), checked against the update's forward. (The real pair's multi-turn run, through the command
     line, is tests/trainer/test_real_training.py.)"""
     from verl.tasks.tiny_lm import save_call_prone_lm
 
@@ -325,6 +330,7 @@ def test_two_step_guided_multi_turn_run_trains_and_logs_its_metrics(assets, ray_
                         "rollout": {"n": 2, "offpolicy_guidance": {"lam": 0.5},
                                     "multi_turn": {"enable": True, "tools": ["lookup"], "tool_call_format": "embedded",
                                                    "max_turns": 2, "max_tool_response_length": 16}}},
+             "algorithm": {"proximal": "rollout"},  # π_old: the draft engine's log-probs
              "trainer": {"val_before_train": False}}  # fmt: skip
     run_dir = str(tmp_path / "run")
     _, _, rows = train(calling, run_dir, **extra)
@@ -333,13 +339,17 @@ def test_two_step_guided_multi_turn_run_trains_and_logs_its_metrics(assets, ray_
         assert row["multiturn/tool_calls_mean"] > 0
         assert 0 < row["multiturn/tool_token_frac"] < 1
         assert 0 < row["guidance/offpolicy_token_ratio"] < 1  # the guidance wrote some tokens
+        assert 0 <= row["mismatch/kl_v2"] < 1e-6  # the engine's π_old is the actor's (float32)
 
 
-def test_a_sync_that_skips_a_tensor_fails_the_next_step(assets, ray_session, tmp_path):
+@pytest.mark.parametrize("proximal", ["recompute", "rollout"])
+def test_a_sync_that_skips_a_tensor_fails_the_next_step(assets, ray_session, tmp_path, proximal):
     """The stale-weight detector (`algorithm.max_mismatch_kl`) on a real 2-step run whose weight
     sync leaves out one tensor: step 1 (engine and actor on the same initial weights, float32:
     kl_v2 about 1e-12) passes a bound of 1e-6, step 2 (after the update, the engine's down_proj
-    is not the actor's) fails in one line. (Its unit tests: tests/trainer/test_stale_weights.py.)"""
+    is not the actor's) fails in one line; with π_old from the rollout the check reads the
+    update's first mini-batch and fires after that update, before the sync and the log.
+    (Its unit tests: tests/trainer/test_stale_weights.py.)"""
     from verl.trainer.ray_trainer import StaleRolloutWeights
     from verl.utils import metric_names as M
 
@@ -352,7 +362,7 @@ def test_a_sync_that_skips_a_tensor_fails_the_next_step(assets, ray_session, tmp
         started.append(trainer)
 
     extra = {"worker": {"rollout": {"offpolicy_guidance": {"enable": False}}},
-             "algorithm": {"max_mismatch_kl": 1e-6}, "trainer": {"val_before_train": False}}  # fmt: skip
+             "algorithm": {"max_mismatch_kl": 1e-6, "proximal": proximal}, "trainer": {"val_before_train": False}}  # fmt: skip
     run_dir = str(tmp_path / "run")
     with pytest.raises(StaleRolloutWeights) as error:
         train(assets, run_dir, before_fit=skip_one_tensor, **extra)

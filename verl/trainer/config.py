@@ -35,6 +35,9 @@ from verl.trainer.core_algos.policy_loss import PolicyLossConfig
 from verl.utils.config_checks import ConfigError, check_choice, check_range, fail
 from verl.workers.config import WorkerConfig
 
+PROXIMAL_SOURCES = ("recompute", "rollout")
+"""Where π_old comes from (`algorithm.proximal`)."""
+
 
 @dataclass
 class DataConfig:
@@ -159,6 +162,8 @@ class AlgorithmConfig:
     """Upper bound of the geometric-mean ratio."""
     opsm_delta: float | None = None
     """OPSM: drop responses with A < 0 and mean log(μ/π_θ) > δ (None: off)."""
+    proximal: str = "recompute"
+    """π_old of the decoupled loss: recompute (the actor's forward on the batch before the update) or rollout (the draft engine's log-probs of the sampled tokens, verl's bypass mode: one forward less per step; the mismatch metrics then come from the update's first mini-batch)."""
     mismatch_forced_threshold: float = -0.01
     """Tokens sampled with log-prob above this are 'forced' and left out of mismatch KLs."""
     max_mismatch_kl: float | None = 0.05
@@ -181,6 +186,7 @@ class AlgorithmConfig:
             cap = self.guided_advantage_cap
             check_range(f"{prefix}.guided_advantage_cap", cap, 0.0, low_open=True)
         check_choice(f"{prefix}.kl_penalty", self.kl_penalty, KL_ESTIMATORS.names())
+        check_choice(f"{prefix}.proximal", self.proximal, PROXIMAL_SOURCES)
         check_choice(f"{prefix}.tis_level", self.tis_level, ["auto", "none", *RATIO_LEVELS.names()])
         check_choice(f"{prefix}.mis_level", self.mis_level, ["none", *RATIO_LEVELS.names()])
         check_range(f"{prefix}.gamma", self.gamma, 0.0, 1.0)
@@ -371,6 +377,7 @@ class PPOConfig:
                  f"rollout_batch_size x worker.rollout.n = {responses} responses must split evenly over "
                  f"trainer.nnodes x trainer.n_gpus_per_node = {world} workers")  # fmt: skip
         self._validate_group_size()
+        self._validate_proximal()
         self._validate_distill()
         self._validate_guided_advantage()
         self._validate_replicas(world)
@@ -404,6 +411,26 @@ class PPOConfig:
         if self.trainer.val_only:
             fail("async_training.staleness", staleness,
                  "trainer.val_only=true trains nothing, so nothing runs ahead; valid: 0")  # fmt: skip
+
+    def _validate_proximal(self) -> None:
+        """π_old from the rollout needs the draft's own log-prob of every token at full vocabulary
+        (no top-p/top-k: the engine's processed log-probs would be of the truncated distribution)
+        and nothing that only the actor's forward gives (Σπ²)."""
+        if self.algorithm.proximal == "recompute":
+            return
+        rollout, key = self.worker.rollout, "algorithm.proximal"
+        guidance = rollout.offpolicy_guidance
+        if guidance.enable and guidance.mode != "speculative":
+            fail(key, "rollout", f"needs the draft's log-prob of every token, which offpolicy_guidance.mode="
+                 f"{guidance.mode!r} does not record (the guidance's tokens are not scored by the draft); "
+                 "valid: recompute, or mode=speculative")  # fmt: skip
+        if rollout.top_p < 1.0 or rollout.top_k > 0:
+            fail(key, "rollout", f"worker.rollout.top_p={rollout.top_p}, top_k={rollout.top_k} truncate the "
+                 "distribution the engine reports, so its log-probs are not π_old's; valid: recompute, "
+                 "or top_p=1.0 and top_k=-1")  # fmt: skip
+        if self.worker.actor.calculate_sum_pi_squared:
+            fail(key, "rollout", "worker.actor.calculate_sum_pi_squared=true needs the actor's forward "
+                 "before the update (Σπ² comes with π_old); valid: recompute")  # fmt: skip
 
     def _validate_group_size(self) -> None:
         """A grouped estimator's baseline pools the n responses of a prompt: one is no group."""

@@ -60,7 +60,9 @@ from verl.trainer.two_stage import generate_two_stage, group_success, needs_two_
 from verl.utils import metric_names as M
 from verl.utils.checkpoint import is_complete
 from verl.utils.dataset import RLDataset, build_dataloader
+from verl.utils.heap import freeze_heap, thaw_heap
 from verl.utils.tracking import Tracking
+from verl.workers.actor.dp_actor import MISMATCH_MASK_KEY
 from verl.workers.fsdp_workers import FSDPWorker
 from verl.workers.placement import Placement
 from verl.workers.reward.function import FunctionRewardManager
@@ -296,7 +298,10 @@ class RayPPOTrainer:
                 b.get("guidance_missing_mask"), lam=batch.meta_info["lam"]))  # fmt: skip
         else:
             b["behavior_log_probs"] = b["rollout_log_probs"]  # μ is the draft engine's sampler
-        if fresh.any():  # engine vs actor at one version (stale responses add the policy's drift)
+        if algo.proximal == "rollout":  # the update's first forward is the only actor-side π_old
+            b[MISMATCH_MASK_KEY] = fresh.float()
+            batch.meta_info["mismatch_forced_threshold"] = algo.mismatch_forced_threshold
+        elif fresh.any():  # engine vs actor at one version (stale responses add the policy's drift)
             metrics.update(compute_mismatch_metrics(b["rollout_log_probs"], b["old_log_probs"], fresh,
                                                     b.get("offpolicy_mask"), algo.mismatch_forced_threshold))  # fmt: skip
         behavior = b["behavior_log_probs"]
@@ -397,14 +402,19 @@ class RayPPOTrainer:
     ) -> dict[str, float]:
         """Everything of a step after its rollout, on the generated `batch`; `sync()` moves the
         updated weights to the engines. `start`: when the step began (perf/time_per_step)."""
-        reward_future = self.reward.compute_async(batch)  # beside the log-prob work below
-        with timed("old_log_prob", metrics):
-            batch = batch.union(self.actor_wg.dispatch("compute_log_prob", batch))
+        beside = self.config.algorithm.proximal == "recompute" or self.config.uses_reference
+        reward_future = self.reward.compute_async(batch) if beside else None  # beside the log-probs
+        if self.config.algorithm.proximal == "recompute":
+            with timed("old_log_prob", metrics):
+                batch = batch.union(self.actor_wg.dispatch("compute_log_prob", batch))
+        else:  # bypass: π_old is the draft engine's own log-prob of each sampled token
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"].clone()
         if self.config.uses_reference:
             with timed("ref", metrics):
                 batch = batch.union(self.actor_wg.dispatch("compute_ref_log_prob", batch))
         with timed("reward", metrics):
-            batch.batch["token_level_scores"], components = reward_future.result()
+            scores = reward_future.result() if reward_future else self.reward.compute(batch)
+            batch.batch["token_level_scores"], components = scores
         metrics.update(group_success(batch.batch["token_level_scores"].sum(-1), self.config.worker.rollout.n,
                                      self.config.worker.rollout.offpolicy_guidance.fail_below))  # fmt: skip
         with timed("off_policy", metrics):
@@ -414,6 +424,9 @@ class RayPPOTrainer:
             self._advantages(batch, metrics)
         with timed("update_actor", metrics):
             metrics.update(reduce_metrics(self.actor_wg.execute_dp("update_actor", batch)))
+        check_mismatch_kl(
+            metrics, self.config.algorithm.max_mismatch_kl, self.global_step
+        )  # (rollout π_old)
         with timed("sync_weights", metrics):
             sync()
         metrics.update(compute_data_metrics(batch, components))
@@ -543,6 +556,7 @@ class RayPPOTrainer:
                 self.first_val = dict(last)
             if trainer.val_only:
                 return last
+            freeze_heap()  # the start-up's objects: no full collection walks them mid-step
             if self.config.async_training.staleness:
                 last = self._fit_async() or last
             while self.global_step < self.total_steps:
@@ -560,6 +574,7 @@ class RayPPOTrainer:
                 self.save_checkpoint()
             return last
         finally:
+            thaw_heap()
             tracker.finish()
 
     def _run_step(self, batch: DataProto) -> dict[str, float]:

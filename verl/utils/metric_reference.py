@@ -124,7 +124,7 @@ _DOCS = (
     MetricDoc(M.ACTOR_LUFFY_TOKEN_FRAC, _O, "LUFFY shaping: share of tokens whose loss is the shaped −A·π/(π+γ) (the guidance tokens).",
               "Equals offpolicy_token_ratio."),
     # ---------------------------------------------------------------- Mismatch
-    MetricDoc(M.MISMATCH_KL_V1, _MM, "mean(log μ − log π_old) over draft-emitted, non-forced tokens with both log-probs known: vLLM's sampler vs the FSDP actor.",
+    MetricDoc(M.MISMATCH_KL_V1, _MM, "mean(log μ − log π_old) over draft-emitted, non-forced tokens with both log-probs known: vLLM's sampler vs the FSDP actor (`algorithm.proximal=rollout`: the update's first mini-batch, before its step).",
               "|kl_v1| < 1e-3 in float32; ~1e-3–1e-2 in bf16."),
     MetricDoc(M.MISMATCH_KL_V2, _MM, "½·mean((log μ − log π_old)²) over the same tokens.",
               "< 1e-3; a jump means the engines disagree (weights not synced, dtype, kernels); above "
@@ -191,7 +191,7 @@ _DOCS = (
     MetricDoc(M.VAL_GENERATIONS, _R, "wandb table of validation samples (`trainer.val_generations_to_log`): prompt, response, ground truth, score, step; the file logger writes them to `<run>/val_generations.jsonl`.", "Read the responses: a rising score with degenerate text is reward hacking."),
     # ---------------------------------------------------------------- Timing
     MetricDoc(M.TIMING_GEN, _T, "Rollout: draft (and guidance) generation.", "The largest stage."),
-    MetricDoc(M.TIMING_OLD_LOG_PROB, _T, "Actor forward for π_old (and Σπ²).", "—"),
+    MetricDoc(M.TIMING_OLD_LOG_PROB, _T, "Actor forward for π_old (and Σπ²); not logged with `algorithm.proximal=rollout`.", "—"),
     MetricDoc(M.TIMING_REF, _T, "Reference forward (KL).", "—"),
     MetricDoc(M.TIMING_REWARD, _T, "Reward function.", "—"),
     MetricDoc(M.TIMING_OFF_POLICY, _T, "Behavior log-probs, importance weights, masks and the guidance metrics.", "Small."),

@@ -34,6 +34,7 @@ from verl.utils.fsdp_utils import (
     release_cuda_cache,
     reshard_all,
 )
+from verl.utils.heap import freeze_heap
 from verl.utils.lora import AdaptersOff, apply_lora, is_lora, merge, scaling_of, sync_sources
 from verl.utils.shared_tensors import SharedTensors, to_shared
 from verl.utils.vision import freeze_vision_tower
@@ -166,7 +167,9 @@ class FSDPWorker:
                 else self._load_sharded(trainable=False)
             )
             self.ref = DataParallelPPOActor(self._ref_actor_config(), ref_module)
-        return self._init_offload()
+        notices = self._init_offload()
+        freeze_heap()  # the model's and libraries' objects: no full collection walks them mid-step
+        return notices
 
     def _init_offload(self) -> list[str]:
         """An `Offloader` per model held, everything offloaded until its first stage (the vLLM

@@ -101,8 +101,14 @@ def test_packed_rows_hold_at_most_the_token_budget(model, batch):
     assert (flat_pos[pick + 1] - flat_pos[pick]).eq(1).all()  # within one sequence
     # every valid token once (the synthetic batch's tokens are >= 1); the rest is tail padding
     assert sorted(flat_ids[flat_ids.ne(0)].tolist()) == sorted(micro["input_ids"][keep].tolist())
-    actor.packed_row_tokens = None  # the rule: max(hidden_size, longest sequence) under sdpa
-    assert actor._model_inputs(micro)[0]["input_ids"].shape[0] == 1  # 8 short rows fit 128
+    # the rule under sdpa: max(longest, min(hidden_size, 4 x longest)) = min(128, 4·10) = 40
+    # here (lengths 7, 9, 5, 8, 4, 6, 10, 7: 56 tokens, the longest 10)
+    actor.packed_row_tokens = None
+    assert max(lengths) == 10 and actor._packed_row_budget(lengths) == 40
+    rows = actor._model_inputs(micro)[0]["input_ids"]
+    assert rows.shape == (2, 28)  # 56 tokens in 2 rows of at most 40: 7+4+10+7 and 9+5+8+6
+    assert actor._packed_row_budget([40, 3]) == 128  # 4·40 > hidden_size: capped at 128
+    assert actor._packed_row_budget([200, 3]) == 200  # a longer sequence sits alone
 
 
 @pytest.mark.parametrize("budget", [1, 12, 25])
@@ -277,3 +283,32 @@ def test_dynamic_batching_update_equals_fixed_micro_batches(model, batch):
     dynamic, _ = _step(model, data, dynamic_batching=True, max_token_len_per_device=30)
     fixed, _ = _step(model, data, micro_batch_size_per_device_for_update=8)
     assert _max_param_diff(dynamic, fixed) < 1e-6
+
+
+def test_the_update_checks_the_engine_log_probs_on_its_first_mini_batch(model, batch):
+    """`algorithm.proximal=rollout`: no π_old forward runs, so the update's first forward (before
+    any optimizer step, where π_θ is π_old) gives mismatch/*: the same values as
+    compute_mismatch_metrics against a separate compute_log_prob over the first mini-batch's rows,
+    and none on the later mini-batches; without the mask key no mismatch/* at all."""
+    from verl.trainer.core_algos.kl import compute_mismatch_metrics
+    from verl.workers.actor.dp_actor import MISMATCH_MASK_KEY
+
+    data = _update_batch(model, batch, seed=7)
+    gen = torch.Generator().manual_seed(11)  # an engine off by a little: |noise| ≤ 0.05 nats
+    mask = data.batch["response_mask"]
+    noise = (torch.rand(mask.shape, generator=gen) - 0.5) * 0.1 * mask
+    data.batch["rollout_log_probs"] = data.batch["old_log_probs"] + noise
+    data.batch[MISMATCH_MASK_KEY] = mask.float()
+    data.batch[MISMATCH_MASK_KEY][0] = 0.0  # a stale response: left out of the check
+    data.meta_info["mismatch_forced_threshold"] = -0.01
+    _, metrics = _step(model, data, global_batch_size=4)  # 2 mini-batches of 4 rows
+    first = slice(0, 4)
+    want = compute_mismatch_metrics(data.batch["rollout_log_probs"][first], data.batch["old_log_probs"][first],
+                                    data.batch[MISMATCH_MASK_KEY][first], None, -0.01)  # fmt: skip
+    assert want[M.MISMATCH_KL_V2] > 1e-5  # the noise shows (½·E[u²], u ~ U(-0.05, 0.05): ~4e-4)
+    for key, value in want.items():
+        assert metrics[key] == [pytest.approx(value, rel=1e-4, abs=1e-9)], key
+    plain = copy.deepcopy(data)
+    del plain.batch[MISMATCH_MASK_KEY]
+    _, none = _step(model, plain, global_batch_size=4)
+    assert not any(k.startswith("mismatch/") for k in none)

@@ -7,8 +7,8 @@ runs on CPU (gloo) and GPU (nccl). Batches follow EasyR1's layout: `input_ids`,
 materialised: the padded path keeps the last T+1 positions, the padding-free path packs the
 micro-batch's valid tokens into rows without padding (position ids restart per sequence, which
 transformers turns into a block-causal mask; one row per micro-batch under flash-attention, rows
-of at most max(hidden_size, longest sequence) tokens under sdpa/eager, whose attention is dense
-over the row) and keeps exactly the predicting rows.
+of at most max(longest, min(hidden_size, 4 x longest)) tokens under sdpa/eager, whose attention
+is dense over the row) and keeps exactly the predicting rows.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 
 from verl.protocol import DataProto
 from verl.trainer.core_algos.distill import distill_loss, distill_topk_forward_loss
-from verl.trainer.core_algos.kl import kl_penalty
+from verl.trainer.core_algos.kl import compute_mismatch_metrics, kl_penalty
 from verl.trainer.core_algos.policy_loss import agg_loss, get_policy_loss_fn
 from verl.trainer.core_algos.sum_pi_squared import softmax_statistics
 from verl.utils import metric_names as M
@@ -45,8 +45,24 @@ OPTIONAL_UPDATE_KEYS = (
     "rollout_mask",
     "ref_log_probs",
 )
+ROW_SEQUENCES = 4
+"""Under sdpa/eager a packed row holds at most this many longest sequences' worth of tokens
+(and at most hidden_size, unless one sequence is longer): `_packed_row_budget`."""
+MISMATCH_MASK_KEY = "mismatch_mask"
+"""(B, T) tokens whose engine log-prob the update's first forward checks (`algorithm.proximal=rollout`:
+no separate π_old forward exists); `rollout_log_probs` travels with it."""
 DISTILL_KEYS = ("guidance_log_probs", "guidance_missing_mask")  # read when distill_coef > 0
 TOPK_KEYS = ("guidance_topk_ids", "guidance_topk_log_probs")  # with distill_topk_forward
+
+
+def _mismatch(seen: list[tuple], forced_threshold: float) -> dict[str, float]:
+    """mismatch/* over the micro-batches `seen` (engine log-probs, the actor's, mask, offpolicy)."""
+    engine, actor, mask, off = (
+        None if any(c is None for c in col) else torch.cat(col) for col in zip(*seen, strict=True)
+    )
+    if not mask.any():
+        return {}
+    return compute_mismatch_metrics(engine, actor, mask, off, forced_threshold)
 
 
 def _select(data: DataProto, keys) -> DataProto:
@@ -202,9 +218,12 @@ class DataParallelPPOActor:
         eager attend densely over the whole row under a block-causal mask, so one row of n tokens
         costs O(n²): 256 responses of 42 tokens packed into one row of 10752 spend ~19x more on
         attention than on the linear layers of a width-128 Qwen2 (MLP width 256, one KV head). Rows of at most
-        max(hidden_size, longest sequence) tokens bound that: dense attention over a row of L
+        max(longest, min(hidden_size, 4 x longest)) tokens bound that: dense attention over a row of L
         tokens costs about 4·L·d FLOPs per token and layer, against 2·(8-12)·d² for the layer's
-        projections and MLP, so at L = d it adds about a fifth to a quarter.
+        projections and MLP, so at L = d it adds about a fifth to a quarter. Short sequences
+        stop at four longest sequences' worth: the demo's 12-token sequences in rows of 48
+        instead of 256 took 0.84-0.86x the update's time (rows of one sequence, 1.0-1.4x: the
+        per-row mask and picks cost more than the attention saved).
         `packed_row_tokens` (set on the instance) overrides the budget.
         """
         if self.packed_row_tokens is not None:
@@ -212,8 +231,8 @@ class DataParallelPPOActor:
         config = getattr(self.actor_module, "config", None)
         if getattr(config, "_attn_implementation", None) == "flash_attention_2":
             return None
-        hidden = getattr(config, "hidden_size", None)
-        return None if hidden is None else max(int(hidden), max(lengths))
+        hidden, longest = getattr(config, "hidden_size", None), max(lengths)
+        return None if hidden is None else max(longest, min(int(hidden), ROW_SEQUENCES * longest))
 
     def _model_inputs(
         self, micro: dict[str, torch.Tensor]
@@ -431,21 +450,33 @@ class DataParallelPPOActor:
         wanted = (*MODEL_INPUTS, "old_log_probs", "advantages", *OPTIONAL_UPDATE_KEYS)
         if self.config.distill_coef > 0:
             wanted += DISTILL_KEYS + (TOPK_KEYS if self.config.distill_topk_forward else ())
+        if MISMATCH_MASK_KEY in data.batch.keys():
+            wanted += (MISMATCH_MASK_KEY, "rollout_log_probs")
         data = _select(data, [k for k in wanted if k in data.batch.keys()])
         _, world = _world()
         mini_size = max(self.config.global_batch_size // world, 1)
         metrics: dict[str, list[float]] = defaultdict(list)
         self.actor_module.train()
-        for _ in range(self.config.ppo_epochs):
-            for mini in data.split(mini_size):
-                self._update_mini_batch(mini, temperature, world, metrics)
+        for epoch in range(self.config.ppo_epochs):
+            for i, mini in enumerate(data.split(mini_size)):
+                first = epoch == 0 and i == 0  # before any optimizer step: π_θ is π_old
+                forced = data.meta_info.get("mismatch_forced_threshold") if first else None
+                self._update_mini_batch(mini, temperature, world, metrics, forced)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return dict(metrics)
 
     def _update_mini_batch(
-        self, mini: DataProto, temperature: float, world: int, metrics: dict
+        self,
+        mini: DataProto,
+        temperature: float,
+        world: int,
+        metrics: dict,
+        mismatch_forced: float | None = None,
     ) -> None:
+        """One optimizer step over `mini`'s micro-batches. With `mismatch_forced` (the first
+        mini-batch, before any step) and a `MISMATCH_MASK_KEY` in the batch, the forward's
+        log-probs are π_old itself: mismatch/* compare them with the engine's."""
         device = mini.batch["response_mask"].device
         mask = mini.batch["response_mask"]
         num_tokens = _all_reduce_sum(mask.sum().item(), device)
@@ -455,11 +486,15 @@ class DataParallelPPOActor:
             float
         )  # mini-batch values: sums of normalised micro parts
         self.actor_optimizer.zero_grad(set_to_none=True)
+        seen: list[tuple] = []  # (engine, actor log-probs, mask, offpolicy) for mismatch/*
         for micro in self._micro_batches(mini, self.config.micro_batch_size_per_device_for_update)[
             0
         ]:
             batch = _as_dict(micro)
             stats = self._forward_micro_batch(batch, temperature, want_entropy, False)
+            if mismatch_forced is not None and MISMATCH_MASK_KEY in batch:
+                seen.append((batch["rollout_log_probs"], stats["log_probs"].detach(),
+                             batch[MISMATCH_MASK_KEY], batch.get("offpolicy_mask")))  # fmt: skip
             loss, pg_metrics = self.policy_loss_fn(
                 batch["old_log_probs"], stats["log_probs"], batch["advantages"], batch["response_mask"],
                 config=self.loss_config,
@@ -496,6 +531,9 @@ class DataParallelPPOActor:
             value,
         ) in totals.items():  # this rank's share; summed over ranks it is the full value
             metrics[key].append(_all_reduce_sum(value, device))
+        if seen:
+            for key, value in _mismatch(seen, mismatch_forced).items():
+                metrics[key].append(value)
         grad_norm = self._clip_and_step()
         metrics[M.ACTOR_GRAD_NORM].append(grad_norm)
         metrics[M.ACTOR_SKIPPED_STEPS].append(float(not math.isfinite(grad_norm)))

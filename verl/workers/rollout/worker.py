@@ -14,6 +14,7 @@ import torch
 from ray.util.queue import Queue
 
 from verl.protocol import DataProto
+from verl.utils.heap import freeze_heap
 from verl.utils.shared_tensors import from_shared
 from verl.utils.worker_logs import redirect_worker_output
 from verl.workers.placement import Placement
@@ -39,6 +40,7 @@ class RolloutWorker:
         self.rollout = VLLMRollout(
             model_path, config, tokenizer.eos_token_id, tokenizer.pad_token_id, own_guidance
         )
+        freeze_heap()  # the engine's start-up objects: no full collection walks them mid-rollout
 
     def node_id(self) -> str:
         """The Ray node this replica runs on."""
