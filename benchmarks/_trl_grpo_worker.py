@@ -40,6 +40,22 @@ class StepClock(TrainerCallback):
         self.ends.append(time.perf_counter())
 
 
+def time_calls(obj: object, name: str) -> list[float]:
+    """Wrap the bound method `obj.name` so that each call's seconds are appended to the list returned."""
+    seconds: list[float] = []
+    inner = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        begin = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - begin)
+
+    setattr(obj, name, timed)
+    return seconds
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     start = time.perf_counter()
@@ -57,6 +73,7 @@ def main() -> None:
         callbacks=[clock],
     )
     setup_s = time.perf_counter() - start
+    generation = time_calls(trainer, "_generate_and_score_completions")
     out = trainer.train()
     trainer.save_model(spec["model_out"])
     tokenizer.save_pretrained(spec["model_out"])
@@ -69,6 +86,7 @@ def main() -> None:
         "step_ends": clock.ends,
         "optimizer_steps": trainer.state.global_step,
         "train_runtime_s": out.metrics.get("train_runtime"),
+        "generate_and_score_s": generation,
         "torch_threads": torch.get_num_threads(),
         "resolved": {k: getattr(args, k) for k in resolved},
         "log_history": trainer.state.log_history,

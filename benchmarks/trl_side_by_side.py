@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from functools import reduce
 from pathlib import Path
 
@@ -58,8 +59,20 @@ def ensure_trl_env(venv: Path = TRL_VENV, skip_install: bool = False) -> float |
     return time.perf_counter() - start
 
 
-def ours_args(steps: int, seed: int, run_dir: Path, staleness: int = 0) -> list[str]:
-    """The `verl.trainer.main` arguments of our plain GRPO run (asynchronous at `staleness` > 0)."""
+MATCH_TRL = ("worker.actor.micro_batch_size_per_device_for_update=256",)
+"""Ours set as TRL runs: each optimizer step's 256 completions in one forward (TRL's
+per_device_train_batch_size with gradient_accumulation_steps 1), not the example's two of 128."""
+
+
+def ours_args(
+    steps: int, seed: int, run_dir: Path, staleness: int = 0, extra: Sequence[str] = ()
+) -> list[str]:
+    """The `verl.trainer.main` arguments of our plain GRPO run (asynchronous at `staleness` > 0),
+    with the `extra` overrides last."""
+    return [*_base_args(steps, seed, run_dir, staleness), *MATCH_TRL, *extra]
+
+
+def _base_args(steps: int, seed: int, run_dir: Path, staleness: int) -> list[str]:
     return [f"async_training.staleness={staleness}", f"config={ROOT / 'examples' / 'grpo_guided.yaml'}", "worker.rollout.offpolicy_guidance.enable=false",
             f"trainer.max_steps={steps}", f"trainer.val_freq={steps}", "trainer.val_before_train=true",
             "trainer.logger=[file]", f"trainer.save_checkpoint_path={run_dir}", "trainer.resume=none",
@@ -134,6 +147,22 @@ def mapping(cfg: PPOConfig) -> list[tuple[str, str, str]]:
             for keys, trl in MAPPING]  # fmt: skip
 
 
+PROXIMAL_WORDS = {
+    "recompute": "recomputes it in a separate forward before the update (algorithm.proximal=recompute)",
+    "rollout": "takes the draft engine's log-probs of the sampled tokens (algorithm.proximal=rollout)",
+}
+
+
+def _micro_words(cfg: PPOConfig) -> str:
+    micro, mini = (
+        cfg.worker.actor.micro_batch_size_per_device_for_update,
+        cfg.worker.actor.global_batch_size,
+    )
+    if micro >= mini:
+        return f"updates each mini-batch of {mini} in one forward"
+    return f"updates in micro-batches of {micro} with gradient accumulation"
+
+
 def differences(cfg: PPOConfig) -> list[str]:
     """Every setting the two runs cannot share, and why."""
     return [
@@ -141,11 +170,12 @@ def differences(cfg: PPOConfig) -> list[str]:
         "mini-batches: ours splits the 512 completions in rollout order (whole groups, first 32 prompts then the next 32); TRL shuffles the 512 before splitting into 2 x 256; advantages are computed over all 512 first on both sides",
         f"advantage epsilon: ours (R - mean)/(std + {cfg.algorithm.adv_epsilon:g}), TRL hard-codes std + 1e-4 (no knob); both use the unbiased group std",
         "weight decay: ours decays every parameter; the transformers Trainer under TRL exempts biases and norm weights",
-        f"micro-batching: ours updates in micro-batches of {cfg.worker.actor.micro_batch_size_per_device_for_update} with gradient accumulation, padding-free; TRL in one padded forward of {cfg.worker.actor.global_batch_size} (so loss_type=bnpo equals our token-mean exactly): same gradient up to rounding, other speed and memory",
+        f"micro-batching: ours {_micro_words(cfg)}, padding-free (sequences packed into rows); TRL in one padded forward of {cfg.worker.actor.global_batch_size} (so loss_type=bnpo equals our token-mean exactly): same gradient up to rounding, other speed and memory",
         "entropy: TRL computes the per-token entropy in every loss forward (for logging); ours only when entropy_coeff != 0",
         f"log ratio: ours clamps log(pi/pi_old) to +-{LOG_RATIO_CLAMP:g} before exp; TRL does not (never reached here)",
         "non-finite gradient norm: ours skips that optimizer step; TRL steps",
-        "processes and threads: ours runs Ray (driver, one FSDP2 actor on gloo whose torch uses Ray's OMP_NUM_THREADS=1, a vLLM engine) and copies the weights to vLLM every step (inside the step time); TRL is one process with torch's default threads (all cores)",
+        f"π_old: ours {PROXIMAL_WORDS[cfg.algorithm.proximal]}; TRL at num_iterations=1 uses the loss forward's own log-probs, detached (ratio 1 on every mini-batch)",
+        "processes and threads: ours runs Ray (driver, one FSDP2 actor on gloo whose torch threads split the cores, a vLLM engine) and copies the weights to vLLM every step (inside the step time); TRL is one process with torch's default threads (all cores)",
         "validation: ours validates at step 0 and N with vLLM greedy decoding (outside perf/time_per_step); TRL runs no evaluation; both final models are also scored afterwards by greedy_accuracy in this env",
         "steps: TRL counts optimizer steps, so N of our steps = max_steps 2N there (one generation per 2 optimizer steps)",
         "timing: ours = mean of perf/time_per_step (start-up and validation excluded); TRL = (last optimizer step's end - on_train_begin) / N, start-up and saving excluded (train_runtime, which includes the trainer loop's own set-up, is in the JSON too)",
@@ -177,8 +207,10 @@ def summarize_trl(result: dict, steps: int, updates: int) -> dict:
         raise RuntimeError(f"TRL made {len(ends)} optimizer steps, expected {steps * updates}")
     marks = [result["train_begin"], *ends[updates - 1 :: updates]]
     times = [b - a for a, b in itertools.pairwise(marks)]
+    generation = result.get("generate_and_score_s") or []
     return {"s_per_step": (ends[-1] - result["train_begin"]) / steps, "step_times": times,
-            "train_runtime_s_per_step": result["train_runtime_s"] / steps, "setup_s": result["setup_s"]}  # fmt: skip
+            "train_runtime_s_per_step": result["train_runtime_s"] / steps, "setup_s": result["setup_s"],
+            "generate_and_score_s_mean": statistics.fmean(generation) if generation else None}  # fmt: skip
 
 
 def alternating(r: dict) -> str:
@@ -252,6 +284,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each side")
     parser.add_argument("--staleness", type=int, default=0, help="ours: async_training.staleness")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override of ours (repeatable), e.g. algorithm.proximal=rollout")  # fmt: skip
     parser.add_argument("--skip-install", action="store_true", help="use .cache/trl-venv as it is")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
@@ -260,7 +294,7 @@ def main() -> None:
     work, load_start = WORK / f"s{args.seed}-n{args.steps}", os.getloadavg()[0]
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    overrides = ours_args(args.steps, args.seed, work / "ours-0", args.staleness)
+    overrides = ours_args(args.steps, args.seed, work / "ours-0", args.staleness, args.set)
     cfg = load_config(overrides)
     trl = trl_config(cfg, args.steps, args.seed, str(work / "trl"))
     runs = {"ours": [], "trl": []}
@@ -270,7 +304,7 @@ def main() -> None:
             f"ours #{repeat}: {args.steps} steps of plain GRPO (staleness {args.staleness}) ...",
             flush=True,
         )
-        run_logged([sys.executable, "-m", "verl.trainer.main", *ours_args(args.steps, args.seed, ours_dir, args.staleness)],
+        run_logged([sys.executable, "-m", "verl.trainer.main", *ours_args(args.steps, args.seed, ours_dir, args.staleness, args.set)],
                    work / f"ours-{repeat}.log")  # fmt: skip
         log = (ours_dir / "experiment_log.jsonl").read_text().splitlines()
         runs["ours"].append(summarize_ours([json.loads(x) for x in log if x.strip()], args.steps))
@@ -314,7 +348,7 @@ def main() -> None:
         f"updates of {trl['per_device_train_batch_size']} (TRL: {updates} optimizer steps)",
         "accuracy_start": score(draft), "ours": ours, "trl": trl_side,
         "ratio_s_per_step": ratio[0], "ratio_ci95": list(ratio[1:]), "repeats": args.repeats,
-        "staleness": args.staleness,
+        "staleness": args.staleness, "ours_overrides": args.set,
         "trl_install_s": install_s, "trl_versions": trl_result["versions"], "trl_torch_threads": trl_result["torch_threads"],
         "trl_config": trl, "trl_resolved": trl_result["resolved"], "mapping": mapping(cfg), "differences": differences(cfg),
         "trl_log_history": trl_result["log_history"],
