@@ -402,8 +402,7 @@ class RayPPOTrainer:
     ) -> dict[str, float]:
         """Everything of a step after its rollout, on the generated `batch`; `sync()` moves the
         updated weights to the engines. `start`: when the step began (perf/time_per_step)."""
-        beside = self.config.algorithm.proximal == "recompute" or self.config.uses_reference
-        reward_future = self.reward.compute_async(batch) if beside else None  # beside the log-probs
+        reward_future = self.reward.compute_async(batch)  # beside the log-prob work below
         if self.config.algorithm.proximal == "recompute":
             with timed("old_log_prob", metrics):
                 batch = batch.union(self.actor_wg.dispatch("compute_log_prob", batch))
@@ -413,8 +412,7 @@ class RayPPOTrainer:
             with timed("ref", metrics):
                 batch = batch.union(self.actor_wg.dispatch("compute_ref_log_prob", batch))
         with timed("reward", metrics):
-            scores = reward_future.result() if reward_future else self.reward.compute(batch)
-            batch.batch["token_level_scores"], components = scores
+            batch.batch["token_level_scores"], components = reward_future.result()
         metrics.update(group_success(batch.batch["token_level_scores"].sum(-1), self.config.worker.rollout.n,
                                      self.config.worker.rollout.offpolicy_guidance.fail_below))  # fmt: skip
         with timed("off_policy", metrics):
@@ -424,9 +422,8 @@ class RayPPOTrainer:
             self._advantages(batch, metrics)
         with timed("update_actor", metrics):
             metrics.update(reduce_metrics(self.actor_wg.execute_dp("update_actor", batch)))
-        check_mismatch_kl(
-            metrics, self.config.algorithm.max_mismatch_kl, self.global_step
-        )  # (rollout π_old)
+        if self.config.algorithm.proximal == "rollout":  # mismatch/* came with the update
+            check_mismatch_kl(metrics, self.config.algorithm.max_mismatch_kl, self.global_step)
         with timed("sync_weights", metrics):
             sync()
         metrics.update(compute_data_metrics(batch, components))
