@@ -778,35 +778,3 @@ def test_the_async_overlay_loads_on_the_guided_example():
     config = load_config(["config=examples/grpo_guided.yaml", "config=configs/async.yaml"])
     assert config.async_training.staleness == 1 and not config.worker.rollout.free_cache_engine
     assert config.algorithm.tis_level == "token"
-
-
-@pytest.mark.parametrize(
-    ("args", "names"),
-    [
-        (
-            [f"{GUIDANCE}.enable=true", f"{GUIDANCE}.model_path=/m", f"{GUIDANCE}.mode=mix"],
-            "mode='mix'",
-        ),
-        (["worker.rollout.top_p=0.9"], "top_p=0.9"),
-        (["worker.rollout.top_k=20"], "top_k=20"),
-        (["worker.actor.calculate_sum_pi_squared=true"], "calculate_sum_pi_squared=true"),
-    ],
-)
-def test_proximal_from_the_rollout_is_refused_where_the_engine_cannot_give_pi_old(args, names):
-    """The engine's log-probs stand for π_old only where they are the draft's own, at full
-    vocabulary, and nothing else needs the actor's forward (Σπ²)."""
-    with pytest.raises(ConfigError) as error:
-        load_config(["algorithm.proximal=rollout", *args])
-    message = str(error.value)
-    assert message.startswith("algorithm.proximal='rollout' is not valid") and names in message
-    assert "\n" not in message and "valid: recompute" in message
-
-
-def test_proximal_defaults_to_recompute_and_takes_rollout_with_speculative_guidance():
-    assert load_config().algorithm.proximal == "recompute"
-    guided = [f"{GUIDANCE}.enable=true", f"{GUIDANCE}.model_path=/m", "algorithm.proximal=rollout"]
-    assert load_config(guided).algorithm.proximal == "rollout"
-    with pytest.raises(
-        ConfigError, match=r"^algorithm\.proximal='nope' is not valid; valid: recompute, rollout"
-    ):
-        load_config(["algorithm.proximal=nope"])
