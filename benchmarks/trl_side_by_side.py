@@ -69,14 +69,10 @@ def ours_args(
 ) -> list[str]:
     """The `verl.trainer.main` arguments of our plain GRPO run (asynchronous at `staleness` > 0),
     with the `extra` overrides last."""
-    return [*_base_args(steps, seed, run_dir, staleness), *MATCH_TRL, *extra]
-
-
-def _base_args(steps: int, seed: int, run_dir: Path, staleness: int) -> list[str]:
     return [f"async_training.staleness={staleness}", f"config={ROOT / 'examples' / 'grpo_guided.yaml'}", "worker.rollout.offpolicy_guidance.enable=false",
             f"trainer.max_steps={steps}", f"trainer.val_freq={steps}", "trainer.val_before_train=true",
             "trainer.logger=[file]", f"trainer.save_checkpoint_path={run_dir}", "trainer.resume=none",
-            f"data.seed={seed}", f"worker.rollout.seed={seed}"]  # fmt: skip
+            f"data.seed={seed}", f"worker.rollout.seed={seed}", *MATCH_TRL, *extra]  # fmt: skip
 
 
 def trl_config(cfg: PPOConfig, steps: int, seed: int, output_dir: str) -> dict:
