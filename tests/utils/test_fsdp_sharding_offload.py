@@ -69,6 +69,27 @@ def test_full_shard_decides_what_forward_leaves_gathered_until_backward(mesh, fu
         torch.testing.assert_close(mine.grad.full_tensor(), theirs.grad.full_tensor(), msg=name)
 
 
+def test_one_rank_without_mixed_precision_trains_the_module_unwrapped(mesh):
+    """`plain_on_one_rank` (the workers): at one rank computing in the parameters' dtype the
+    module comes back as it was (no FSDP group, no DTensor), and an AdamW step on it moves every
+    weight as the FSDP2-wrapped copy's step does; with mixed precision FSDP2 stays (it casts)."""
+    spec = TinyLMSpec(hidden_size=64, num_hidden_layers=2, seed=1)
+    plain_model = build_tiny_qwen2(spec)
+    assert apply_fsdp2(plain_model, mesh, plain_on_one_rank=True) is plain_model
+    assert not any(isinstance(p, DTensor) for p in plain_model.parameters())
+    mixed = apply_fsdp2(build_tiny_qwen2(spec), mesh, "bfloat16", mixed_precision=True,
+                        plain_on_one_rank=True)  # fmt: skip
+    assert all(isinstance(p, DTensor) for p in mixed.parameters())
+    wrapped = _model(mesh)
+    for model in (plain_model, wrapped):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(input_ids=_ids(), labels=_ids(), use_cache=False).loss.backward()
+        optimizer.step()
+    after = full_tensors(wrapped, list(wrapped.state_dict()))
+    for name, tensor in plain_model.state_dict().items():
+        torch.testing.assert_close(tensor, after[name], rtol=0, atol=1e-6, msg=name)
+
+
 def test_offload_notice_names_the_keys_set_and_only_on_cpu():
     flags = {"worker.actor.offload.offload_params": True,
              "worker.actor.offload.offload_optimizer": False,

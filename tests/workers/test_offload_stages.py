@@ -136,7 +136,7 @@ def test_actor_and_reference_are_sharded_with_their_own_full_shard_key(monkeypat
     calls = []
     monkeypatch.setattr(fsdp_workers, "load_hf_model", lambda *args: torch.nn.Linear(2, 2))
     monkeypatch.setattr(fsdp_workers, "apply_fsdp2",
-                        lambda model, mesh, *dtypes, full_shard: calls.append(full_shard))  # fmt: skip
+                        lambda model, mesh, *dtypes, full_shard, plain_on_one_rank: calls.append(full_shard))  # fmt: skip
     worker = FSDPWorker.__new__(FSDPWorker)
     worker.config, worker.mesh = WorkerConfig(), None
     worker.config.actor.model.model_path = "/unused"

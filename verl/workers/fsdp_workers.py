@@ -127,7 +127,7 @@ class FSDPWorker:
         if not trainable:
             model.requires_grad_(False)
         return apply_fsdp2(model, self.mesh, fsdp_cfg.mp_param_dtype, fsdp_cfg.mp_reduce_dtype,
-                           full_shard=fsdp_cfg.enable_full_shard)  # fmt: skip
+                           full_shard=fsdp_cfg.enable_full_shard, plain_on_one_rank=True)  # fmt: skip
 
     def init_model(self) -> list[str]:
         """Load the HF model(s), shard with FSDP2, build optimizer + LR scheduler for the actor;
