@@ -6,15 +6,16 @@ ratios measured in one run.
 2. Peak extra memory of one compute_log_prob pass without Σπ², with Σπ², and with Σπ²
    checkpointing (LM head in chunks), each in a fresh subprocess (peak RSS above a baseline taken
    after the model and batch exist; torch.cuda.max_memory_allocated on GPU).
-3. `--worker arithmetic|runsum` (CPU): the trainer's path, `FSDPWorker` (1 rank, FSDP2 on gloo)
-   driven through `RayWorkerGroup` as `RayPPOTrainer` drives it, with the actor settings of
-   examples/grpo_guided.yaml, against a plain HF forward/backward of the same model, tokens and
-   micro-batching in this process (padded micro-batches, the PPO clipped token-mean loss,
-   AdamW), for compute_log_prob and for update_actor, alternated; the worker's time is split
-   into stages (Ray + DataProto transfer, forward, backward, optimizer, the rest) by timers the
-   worker installs around its own calls. Shapes: `arithmetic` is the demo's (hidden 256 x 4
-   layers, 512 x (8 + 4) tokens, mini-batches of 256), `runsum` the evidence's (hidden 128 x 2
-   layers, 256 x (21 + 21) tokens, mini-batches of 128); randomly initialised weights.
+3. `--worker arithmetic|runsum` (CPU): the trainer's path, `FSDPWorker` (1 rank on gloo, the
+   module unwrapped) driven through `RayWorkerGroup` as `RayPPOTrainer` drives it, with the
+   actor settings of examples/grpo_guided.yaml, against a plain HF forward/backward of the same
+   model, tokens and micro-batching in this process (padded micro-batches, the PPO clipped
+   token-mean loss, AdamW), for compute_log_prob and for update_actor, alternated; the worker's
+   time is split into stages (Ray + DataProto transfer, forward, backward, optimizer, the rest)
+   by timers the worker installs around its own calls. Shapes: `arithmetic` is the demo's
+   (hidden 256 x 4 layers, 512 x (8 + 4) tokens, mini-batches of 256), `runsum` the evidence's
+   (hidden 128 x 2 layers, 256 x (21 + 21) tokens, mini-batches of 128); randomly initialised
+   weights.
 
 The model is a randomly initialised Qwen2 (default hidden 512, 4 layers, vocab 32768) so the
 vocabulary-to-width ratio resembles real models; on this 2-core CPU absolute times are noisy.

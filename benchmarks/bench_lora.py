@@ -1,6 +1,7 @@
-"""LoRA against full fine-tuning in the trainer's `FSDPWorker` (one in-process rank, FSDP2; CPU
-here): what each trains and holds, what one weight sync moves, and the time of a log-prob pass, an
-update and a sync, as ratios LoRA / full measured in one run (alternated repeats, medians).
+"""LoRA against full fine-tuning in the trainer's `FSDPWorker` (one in-process rank: its module
+unwrapped on CPU, FSDP2 with mixed precision on a GPU): what each trains and holds, what one
+weight sync moves, and the time of a log-prob pass, an update and a sync, as ratios LoRA / full
+measured in one run (alternated repeats, medians).
 
 Models: the embedded draft (`.cache/embedded/draft`, built by `make demo`) and the real SmolLM2
 draft (`.cache/real/draft`, `python -m verl.tasks.real_model`). LoRA: rank 32, alpha 64, every

@@ -171,7 +171,7 @@ def differences(cfg: PPOConfig) -> list[str]:
         f"log ratio: ours clamps log(pi/pi_old) to +-{LOG_RATIO_CLAMP:g} before exp; TRL does not (never reached here)",
         "non-finite gradient norm: ours skips that optimizer step; TRL steps",
         f"π_old: ours {PROXIMAL_WORDS[cfg.algorithm.proximal]}; TRL at num_iterations=1 uses the loss forward's own log-probs, detached (ratio 1 on every mini-batch)",
-        "processes and threads: ours runs Ray (driver, one FSDP2 actor on gloo whose torch threads split the cores, a vLLM engine) and copies the weights to vLLM every step (inside the step time); TRL is one process with torch's default threads (all cores)",
+        "processes and threads: ours runs Ray (driver, one actor rank, its module unwrapped at one rank, whose torch threads split the cores, a vLLM engine) and copies the weights to vLLM every step (inside the step time); TRL is one process with torch's default threads (all cores)",
         "validation: ours validates at step 0 and N with vLLM greedy decoding (outside perf/time_per_step); TRL runs no evaluation; both final models are also scored afterwards by greedy_accuracy in this env",
         "steps: TRL counts optimizer steps, so N of our steps = max_steps 2N there (one generation per 2 optimizer steps)",
         "timing: ours = mean of perf/time_per_step (start-up and validation excluded); TRL = (last optimizer step's end - on_train_begin) / N, start-up and saving excluded (train_runtime, which includes the trainer loop's own set-up, is in the JSON too)",

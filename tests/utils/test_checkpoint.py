@@ -110,3 +110,52 @@ def test_missing_model_path_fails_clearly(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="not a local folder"):
         load_hf_model(str(tmp_path / "nope"), torch.float32)
+
+
+SPEC = TinyLMSpec(hidden_size=64, num_hidden_layers=2, seed=1)
+
+
+def _rank_model(rank: int, world: int, port: int):
+    mesh = init_distributed(rank, world, "127.0.0.1", port)
+    model = apply_fsdp2(build_tiny_qwen2(SPEC), mesh, plain_on_one_rank=True)  # as the workers
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _save_on_one_rank(path: str, port: int) -> None:
+    model, optimizer = _rank_model(0, 1, port)
+    assert not hasattr(model, "unshard")  # one rank: the module unwrapped, plain tensors saved
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    _train_step(model, optimizer, scheduler)
+    FSDPCheckpointManager(model, optimizer).save(path, export_hf_weights=False)
+    _train_step(model, optimizer, scheduler)  # the step a resumed run must reproduce
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, path + "-next.pt")
+    dist.destroy_process_group()
+
+
+def _resume_on_two_ranks(rank: int, path: str, port: int) -> None:
+    from verl.utils.fsdp_utils import full_state_dict
+
+    model, optimizer = _rank_model(rank, 2, port)
+    assert hasattr(model, "unshard")  # two ranks: FSDP2, DTensor shards loaded from plain tensors
+    FSDPCheckpointManager(model, optimizer).load(path)
+    _train_step(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
+    weights = full_state_dict(model)
+    if rank == 0:
+        for name, tensor in torch.load(path + "-next.pt").items():
+            torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-6, msg=name)
+    dist.destroy_process_group()
+
+
+def test_a_one_rank_checkpoint_resumes_on_two_ranks(tmp_path):
+    """A run on one CPU rank (its module unwrapped: plain tensors in the checkpoint) resumed on two
+    FSDP2 ranks (`trainer.n_gpus_per_node` changed between runs): the model and AdamW's moments
+    load into the shards, so the first step after the resume moves every weight as the
+    uninterrupted run's next step did (to 1e-6). Each side in fresh processes (spawn)."""
+    import torch.multiprocessing as mp
+
+    path = str(tmp_path / "ckpt")
+    saver = mp.get_context("spawn").Process(target=_save_on_one_rank, args=(path, free_port()))
+    saver.start()
+    saver.join(timeout=120)
+    assert saver.exitcode == 0, f"the one-rank save failed (exit code {saver.exitcode})"
+    mp.spawn(_resume_on_two_ranks, args=(path, free_port()), nprocs=2, join=True)
