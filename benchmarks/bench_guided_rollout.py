@@ -252,7 +252,9 @@ def main() -> None:
     )
     parser.add_argument("--response", type=int, default=None, help="new tokens: 64 (--real: 32)")
     parser.add_argument(
-        "--k", default=None, help="num_speculative_tokens values, comma-separated: 2,4 (--real: 2, the default k)"
+        "--k",
+        default=None,
+        help="num_speculative_tokens values, comma-separated: 2,4 (--real: 2, the default k)",
     )
     parser.add_argument("--logprobs", default=str(OffPolicyGuidanceConfig.logprobs),
                         help="top-K log-probs per position: comma-separated, `full` = the vocabulary size "
