@@ -241,6 +241,29 @@ def test_episodes_on_their_own_equal_the_turn_barrier_loop(noisy):
         assert torch.equal(out[True][key], b[key]), key
 
 
+def test_stopping_by_id_equals_stopping_at_the_stop_string(noisy, monkeypatch):
+    """A turn ends at the first id whose text holds `]` (`stop_token_ids`: the engine does not
+    detokenize) exactly as vLLM's stop-string matching ends it (detokenized, the string kept):
+    byte-identical batches, in both loops (turn by turn and episodes on their own)."""
+    from verl.workers.rollout.multi_turn.runtime import MultiTurnRuntime
+
+    engine, tok = noisy
+    out = {}
+    for by_id in (True, False):
+        if not by_id:  # the engine matches the stop strings in its text
+            monkeypatch.setattr(MultiTurnRuntime, "stop_token_ids", property(lambda self: None))
+        for barrier in (True, False):
+            batch = prompt_batch(tok, ["a ", "b ", "c ", "dd "])
+            batch.meta_info[TURN_BARRIER_KEY] = barrier
+            out[by_id, barrier] = engine.generate_sequences(batch).batch
+    assert int(out[True, False]["multiturn_num_tool_calls"].sum()) > 0  # turns ended at `]`
+    for barrier in (True, False):
+        by_id, by_text = out[True, barrier], out[False, barrier]
+        assert sorted(by_id.keys()) == sorted(by_text.keys())
+        for key in by_id.keys():
+            assert torch.equal(by_id[key], by_text[key]), (barrier, key)
+
+
 def test_a_slow_tool_holds_back_no_other_episode(rollout):
     """Episode 0's first calls return only once every other episode has ended (its tool waits for
     that, 120 s at most): meanwhile the others run all their turns, episode 0's second turn is

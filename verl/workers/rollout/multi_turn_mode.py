@@ -110,26 +110,39 @@ TurnFn = Callable[[list[int], list[list[int]], list[int], int], list[Turn]]
 """(episode indices, their contexts, their token budgets, the turn number from 1) -> turns."""
 
 
-def finish_reason(completion) -> str:
+def finish_reason(completion, stop_ids: frozenset[int] = frozenset()) -> str:
     """The runtime's finish reason of a vLLM completion: `tool_call` when it stopped at a stop
-    string, `length` at the token limit, else `eos`."""
+    string or at one of `stop_ids` (`MultiTurnRuntime.stop_token_ids`), `length` at the token
+    limit, else `eos`."""
     if completion.finish_reason == "length":
         return "length"
-    return "tool_call" if isinstance(completion.stop_reason, str) else "eos"
+    stop = completion.stop_reason
+    return "tool_call" if isinstance(stop, str) or stop in stop_ids else "eos"
 
 
 def turn_params(ctx: RolloutContext, runtime: MultiTurnRuntime, seed: int, budget: int):
     """The draft's `SamplingParams` of one turn: the rollout's, seeded `seed`, at most `budget`
-    tokens, the log-prob of each sampled token, and the format's stop strings kept in the output
-    (detokenized, so vLLM can match them)."""
+    tokens, the log-prob of each sampled token, ending where the format's stop strings end it:
+    at the ids holding them (`runtime.stop_token_ids`, nothing detokenized), or, for longer stop
+    strings, at the strings themselves, kept in the output (detokenized, so vLLM can match them)."""
+    stop_ids = runtime.stop_token_ids
+    if stop_ids is not None:  # the engine's usual stops (EOS) and these ids
+        usual = ctx.sampling_kwargs(budget, 1, seed)["stop_token_ids"]
+        return ctx.draft_params(budget, 1, seed, stop_token_ids=[*usual, *sorted(stop_ids)])
     stops = {"stop": runtime.stop_strings, "include_stop_str_in_output": True}
     return ctx.draft_params(budget, 1, seed, detokenize=True, **stops)
 
 
-def draft_turn(completion) -> Turn:
-    """A vLLM completion as a `Turn`, its sampled log-probs as `rollout_log_probs`."""
+def draft_turn(completion, runtime: MultiTurnRuntime) -> Turn:
+    """A vLLM completion as a `Turn`, its sampled log-probs as `rollout_log_probs`; its text as
+    the engine would have detokenized it (`runtime.turn_text` where it stopped by id)."""
     ids, log_probs = sampled_log_probs(completion)
-    return Turn(ids, completion.text, finish_reason(completion), {"rollout_log_probs": log_probs})
+    stop_ids = runtime.stop_token_ids
+    if stop_ids is None:
+        text, reason = completion.text, finish_reason(completion)
+    else:
+        text, reason = runtime.turn_text(ids), finish_reason(completion, stop_ids)
+    return Turn(ids, text, reason, {"rollout_log_probs": log_probs})
 
 
 def draft_turns(
@@ -144,7 +157,7 @@ def draft_turns(
         requests = [engine_request(context, images[i] if images else None)
                     for i, context in zip(active, contexts, strict=True)]  # fmt: skip
         outputs = ctx.engines.draft.generate(requests, params, use_tqdm=False)
-        return [draft_turn(o.outputs[0]) for o in outputs]
+        return [draft_turn(o.outputs[0], runtime) for o in outputs]
 
     return turns
 
@@ -372,7 +385,7 @@ class EpisodeStream(_Outcomes):
 
     def _turn_ended(self, tools: ToolRuns, i: int, output) -> None:
         """Record episode i's finished turn; start its calls, or end it."""
-        turn = draft_turn(output.outputs[0])
+        turn = draft_turn(output.outputs[0], self.runtime)
         self.episodes[i].add_turn(turn.ids, **turn.slots)
         read = self.runtime.read(turn.text, turn.reason, self._turns[i])
         if read.answered:

@@ -158,6 +158,36 @@ def test_turn_end_is_where_the_engine_would_stop(char):
     assert runtime.turn_text(ids[:13]) == "ab[lookup:k07"  # no stop string: the whole text
 
 
+def test_stop_token_ids_end_a_turn_where_the_stop_string_does(char, real_pair):
+    """`stop_token_ids`: the ids whose text holds a one-character stop string. On the char
+    tokenizer exactly `]`; on SmolLM2's byte-level BPE every token holding a `]` (`]`, `])`,
+    `"]` ...), and on text of such tokens the first of them ends the turn where `turn_end` (the
+    engine's stop-string rule) does. hermes has no stop string (none); a stop string longer
+    than one character leaves the engine matching text (None)."""
+    from transformers import AutoTokenizer
+
+    runtime = MultiTurnRuntime(EMBEDDED, char, use_chat_template=False)
+    assert runtime.stop_token_ids == {char.convert_tokens_to_ids("]")}
+    smol = AutoTokenizer.from_pretrained(real_pair.guidance)
+    bpe = MultiTurnRuntime(EMBEDDED, smol, use_chat_template=False)
+    assert len(bpe.stop_token_ids) > 10  # merged tokens holding `]` too
+    assert all("]" in bpe.decode([i]) for i in bpe.stop_token_ids)
+    texts = ['Look: ["a"] then', "x = f(a[0]) + b[1]]", "[lookup:k07]\n[lookup:k01]", "no call"]
+    for text in texts:
+        ids = smol(text, add_special_tokens=False)["input_ids"]
+        first = next((n + 1 for n, i in enumerate(ids) if i in bpe.stop_token_ids), None)
+        assert first == bpe.turn_end(ids), text
+    assert (
+        MultiTurnRuntime(MultiTurnConfig(enable=True, tools=["calculator"]), smol).stop_token_ids
+        == set()
+    )
+
+    class LongStop(MultiTurnRuntime):
+        stop_strings = ["</call>"]  # a multi-character stop string (no built-in format has one)
+
+    assert LongStop(EMBEDDED, char, use_chat_template=False).stop_token_ids is None
+
+
 def test_a_hermes_turn_has_no_stop_string(real_pair):
     """hermes has no stop string: a guided turn runs to EOS (`turn_end` None) and its text is
     the whole text, calls and what follows them."""

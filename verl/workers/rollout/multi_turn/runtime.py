@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from verl.workers.rollout.multi_turn.config import MultiTurnConfig
 from verl.workers.rollout.multi_turn.deltas import ToolDelta, tool_delta_ids
@@ -106,6 +107,22 @@ class MultiTurnRuntime:
         """Where the engine stops a turn (with `include_stop_str_in_output`): the format's stop
         strings (empty for hermes, whose turns end at EOS)."""
         return list(self.format.stop_strings)
+
+    @cached_property
+    def stop_token_ids(self) -> frozenset[int] | None:
+        """The ids whose text holds a stop string, when every stop string is one ASCII character
+        (the embedded format's `]`; none for hermes), else None. An ASCII byte never spans two
+        tokens, so a turn's text first holds such a stop string at the first of these ids: the
+        engine can stop there by id, without detokenizing every step (`multi_turn_mode.
+        turn_params`). Longer stop strings are matched by the engine in its text."""
+        stops = self.stop_strings
+        if any(len(stop) != 1 or not stop.isascii() for stop in stops):
+            return None
+        if not stops:
+            return frozenset()
+        vocab = len(getattr(self.tokenizer, "tokenizer", self.tokenizer))  # a processor's own
+        texts = self.tokenizer.batch_decode([[i] for i in range(vocab)], skip_special_tokens=True)
+        return frozenset(i for i, text in enumerate(texts) if any(stop in text for stop in stops))
 
     def decode(self, ids: Sequence[int]) -> str:
         """A turn's text as the engine detokenizes it (special tokens skipped)."""
