@@ -183,7 +183,7 @@ def test_stop_token_ids_end_a_turn_where_the_stop_string_does(char, real_pair):
     )
 
     class LongStop(MultiTurnRuntime):
-        stop_strings = ["</call>"]  # a multi-character stop string (no built-in format has one)
+        stop_strings = ("</call>",)  # a multi-character stop string (no built-in format has one)
 
     assert LongStop(EMBEDDED, char, use_chat_template=False).stop_token_ids is None
 
