@@ -276,7 +276,7 @@ class ToolRuns:
     `tool_slots`). A `with` block; leaving it drops what is still queued."""
 
     def __init__(self, runtime: MultiTurnRuntime, call_tools: Callable | None = None) -> None:
-        self.runtime = runtime
+        self.runtime, self._own = runtime, call_tools is None
         self.call_tools = call_tools or (lambda _, calls: runtime.run_calls(calls))
         self._pool = ThreadPoolExecutor(runtime.tool_slots.size, thread_name_prefix="turn-tools")
         self._running: dict[Future, tuple[int, TurnCalls]] = {}  # -> (episode, its turn)
@@ -289,10 +289,15 @@ class ToolRuns:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def start(self, i: int, turn: TurnCalls) -> None:
-        """Run episode i's answered `turn`'s calls."""
-        future = self._pool.submit(self.call_tools, i, turn.calls)
+        """Run episode i's answered `turn`'s calls: here and now when none needs a thread
+        (`runtime.runs_inline`: the built-in lookup and calculator), else on the pool."""
+        if self._own and self.runtime.runs_inline(turn.calls):
+            future = Future()
+            future.set_result(self.call_tools(i, turn.calls))
+        else:
+            future = self._pool.submit(self.call_tools, i, turn.calls)
+            self._fresh.append(future)
         self._running[future] = (i, turn)
-        self._fresh.append(future)
 
     @property
     def waiting(self) -> bool:

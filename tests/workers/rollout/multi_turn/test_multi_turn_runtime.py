@@ -225,3 +225,17 @@ def test_retokenized_tokens_counts_what_a_text_round_trip_changes(real_pair):
     assert smol.decode(split.response_ids) == smol.decode(clean.response_ids)  # the same text
     assert retokenized_tokens(smol, split) == 7
     assert retokenized_tokens(smol, split, limit=1) == 0  # only "ĠThe" kept: nothing changes
+
+
+def test_runs_inline_when_no_call_needs_a_thread(char, tmp_path):
+    """`runs_inline`: a turn whose calls are the built-ins', malformed or of no tool of the run
+    starts no thread (`ToolRuns.start` then answers it at once); one call of a file's tool does."""
+    (tmp_path / "t.py").write_text('def sq(n: int) -> int:\n    """Square."""\n    return n * n\n')
+    config = MultiTurnConfig(enable=True, tools=["lookup", f"{tmp_path / 't.py'}:sq"],
+                             tool_call_format="embedded")  # fmt: skip
+    runtime = MultiTurnRuntime(config, char, use_chat_template=False)
+    fmt = get_format("embedded")
+    builtin, malformed, unknown, mine = (fmt.parse(t)[0][0] for t in
+                                         ("[lookup:k07]", "[lookup]", "[nope:1]", "[sq:3]"))  # fmt: skip
+    assert runtime.runs_inline([builtin, malformed, unknown])
+    assert not runtime.runs_inline([builtin, mine])

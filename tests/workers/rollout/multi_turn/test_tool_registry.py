@@ -335,3 +335,32 @@ def test_a_batch_waits_for_a_slot_another_batch_s_running_call_holds():
     b.join(timeout=60)
     assert [r.status for r in results["a"]] == ["ok"]
     assert [(r.status, r.text) for r in results["b"]] == [("ok", "70")]
+
+
+def test_inline_tools_run_in_the_caller_s_thread_and_the_others_on_their_own(tmp_path):
+    """`INLINE_TOOLS` (lookup, calculator) are loaded inline and a file's tool never is; an inline
+    tool's call runs in the calling thread (no hand-off, no deadline: here a 0 s timeout that any
+    threaded call would miss), the others in threads of their own, and the results keep the
+    calls' order, an inline tool's error included."""
+    (tmp_path / "t.py").write_text(
+        'def where(x: int) -> str:\n    """Which thread.\n\n    Args:\n        x: a number.\n    """\n'
+        "    import threading, time\n    time.sleep(0.2)\n    return threading.current_thread().name\n"
+    )
+    tools = load_tools(["lookup", "calculator", f"{tmp_path / 't.py'}:where"])
+    assert [t.inline for t in tools.values()] == [True, True, False]
+    here = threading.current_thread().name
+
+    def probe() -> str:
+        """Which thread."""
+        return threading.current_thread().name
+
+    tools["probe"] = Tool("probe", probe, "Which thread.", {"type": "object", "properties": {},
+                                                            "required": []}, inline=True)  # fmt: skip
+    calls = [ToolCall("where", {"x": 1}), ToolCall("probe", {}), ToolCall("lookup", {"key": "k07"}),
+             ToolCall("calculator", {"expression": "2**3"})]  # fmt: skip
+    results = run_tool_calls(calls, tools, timeout_s=5.0, slots=2)
+    assert results[0].status == "ok" and results[0].text != here  # a thread of its own
+    assert results[1].text == here and results[2].text == LOOKUP_TABLE["k07"]
+    assert results[3].status == "error" and "only integers" in results[3].text
+    inline_only = run_tool_calls(calls[1:], tools, timeout_s=0.0, slots=1)
+    assert [r.status for r in inline_only] == ["ok", "ok", "error"]  # no deadline applies

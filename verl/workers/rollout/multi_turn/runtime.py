@@ -172,6 +172,13 @@ class MultiTurnRuntime:
         return TurnCalls(calls, malformed, finish_reason, answerable,
                          answerable and turns_done < self.max_turns)  # fmt: skip
 
+    def runs_inline(self, calls: Sequence[ToolCall]) -> bool:
+        """Whether `run_calls` would start no thread for `calls`: each is malformed, names no
+        tool of the run, or names an inline one (`Tool.inline`)."""
+        tools = self.tools
+        return all(c.error is not None or c.name not in tools or tools[c.name].inline
+                   for c in calls)  # fmt: skip
+
     def run_calls(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """One result per call, in call order (`run_tool_calls` on the run's `tool_slots`; safe to
         call from several threads at once)."""

@@ -17,6 +17,7 @@ on integers, evaluated without `eval`). Others load from `path/to/file.py:fn`.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import json
 import logging
@@ -103,6 +104,12 @@ def calculator(expression: str) -> str:
     return str(_calc(tree.body))
 
 
+INLINE_TOOLS = frozenset({"lookup", "calculator"})
+"""Built-ins that are pure and bounded (a table read; integer arithmetic capped in length and
+magnitude, no powers): they return in microseconds, so their calls run in the caller's thread,
+without a thread hand-off or a deadline (`Tool.inline`)."""
+
+
 @dataclass(frozen=True)
 class Tool:
     """A loaded tool: its function and the description the policy is shown."""
@@ -115,6 +122,9 @@ class Tool:
     """The docstring's text before its `Args:` section."""
     parameters: dict[str, Any]
     """JSON schema of the arguments: {"type": "object", "properties": ..., "required": ...}."""
+    inline: bool = False
+    """Run in the caller's thread, with no deadline (`INLINE_TOOLS`); a tool from a file always
+    gets a thread of its own and `tool_timeout_s`."""
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI / Hermes function description (`tools=` of `apply_chat_template`)."""
@@ -200,7 +210,10 @@ def load_tools(
     tools: dict[str, Tool] = {}
     for spec in specs:
         fn = load_function(spec, TOOLS, key)
-        tool = describe_tool(fn, None if is_file_spec(spec) else TOOLS.canonical(spec))
+        builtin = None if is_file_spec(spec) else TOOLS.canonical(spec)
+        tool = describe_tool(fn, builtin)
+        if builtin in INLINE_TOOLS:
+            tool = dataclasses.replace(tool, inline=True)
         if tool.name in tools:
             raise ValueError(f"{key}: two tools are named {tool.name!r}")
         tools[tool.name] = tool
@@ -327,6 +340,14 @@ class ToolSlots:
             return len(self._hung)
 
 
+def _call(name: str, fn: Callable[..., Any], kwargs: dict) -> ToolResult:
+    """One call's result: its text, or the error it raised (a result the policy sees)."""
+    try:
+        return ToolResult(name, _as_text(fn(**kwargs)), "ok")
+    except Exception as error:
+        return ToolResult(name, f"error: {type(error).__name__}: {error}", "error")
+
+
 def _start(index: int, name: str, fn: Callable[..., Any], kwargs: dict, done: queue.Queue,
            slots: ToolSlots, ticket: int) -> None:  # fmt: skip
     """Run one call in a daemon thread that reports (index, result) to `done` and frees its slot
@@ -334,9 +355,7 @@ def _start(index: int, name: str, fn: Callable[..., Any], kwargs: dict, done: qu
 
     def work() -> None:
         try:
-            result = ToolResult(name, _as_text(fn(**kwargs)), "ok")
-        except Exception as error:  # a tool's failure is a result the policy sees
-            result = ToolResult(name, f"error: {type(error).__name__}: {error}", "error")
+            result = _call(name, fn, kwargs)
         finally:
             slots.release(ticket)
         done.put((index, result))
@@ -348,7 +367,8 @@ def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool], timeout_s:
                    slots: ToolSlots | int) -> list[ToolResult]:  # fmt: skip
     """One result per call, in order; never raises.
 
-    Each call runs in its own thread, holding one of `slots` (an int: fresh slots of that size,
+    An inline tool's call (`Tool.inline`) runs here, first, with no deadline. Each other call
+    runs in its own thread, holding one of `slots` (an int: fresh slots of that size,
     for this batch alone), with its own deadline (`timeout_s` from its start). A call past its
     deadline gets status `timeout` at once and is hung: its thread keeps its slot until the
     function returns (`ToolSlots`), so a hung tool delays the batch by at most its timeout and
@@ -364,6 +384,8 @@ def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool], timeout_s:
         prepared = _prepare(call, tools)
         if isinstance(prepared, ToolResult):
             results[i] = prepared
+        elif tools[call.name].inline:  # here and now (`INLINE_TOOLS`)
+            results[i] = _call(call.name, tools[call.name].fn, prepared)
         else:
             pending.append((i, prepared))
     done: queue.Queue = queue.Queue()
