@@ -84,12 +84,11 @@ or `GuidedTurns`: one engine call or one `run_rounds` per turn) instead of on th
 (`EpisodeStream`, `GuidedEpisodes`); the same seeds per turn, kept as the reference the tests and
 the benchmark compare against."""
 TOOL_GRACE_S = 0.01
-"""Seconds the loop waits at most for the calls of the turns that just ended before it steps the
-engines on (it goes on as soon as they returned): a fast tool's episode (a table lookup returns
-in microseconds, its thread starts in about a millisecond on a busy CPU) then joins the very next
-step instead of the one after; a slow tool costs the engines this once per step that ended
-turns. On the tool task this brings a call's engine steps from 42 to 39-40, the longest
-episode's policy tokens being 39."""
+"""Seconds the loop waits at most for the threaded calls of the turns that just ended before it
+steps the engines on (it goes on as soon as they returned; the built-in tools run inline and
+need none): a fast tool's episode (its thread starts in about a millisecond on a busy CPU) then
+joins the very next step instead of the one after; a slow tool costs the engines this once per
+step that ended turns. Without it the tool task took 44 engine steps a call instead of 42."""
 GUIDED_SLOTS = ("guidance_log_probs", "target_log_probs", "guidance_lam", "guidance_strength",
                 "draft_entropy", "offpolicy")  # fmt: skip
 """Per policy token slots of a guided turn, beside `rollout_log_probs` (the draft's log p)."""

@@ -24,8 +24,7 @@ class MultiTurnConfig:
     """Tokens of a tool's text kept; a longer one is cut there (a cut result, not a cut error
     text, counts as truncated)."""
     tool_timeout_s: float = 10.0
-    """Seconds a tool call may run; past it the call's result is a timeout error (its thread
-    runs on, holding one of max_parallel_tools)."""
+    """Seconds a tool call may run; past it the call's result is a timeout error (its thread runs on, holding one of max_parallel_tools); the built-in lookup and calculator run inline, with no deadline."""
     tool_call_format: str = "hermes"
     """How the policy writes a tool call (TOOL_CALL_FORMATS): hermes or embedded."""
     max_parallel_tools: int = 8
