@@ -111,7 +111,7 @@ TurnFn = Callable[[list[int], list[list[int]], list[int], int], list[Turn]]
 """(episode indices, their contexts, their token budgets, the turn number from 1) -> turns."""
 
 
-def finish_reason(completion, stop_ids: frozenset[int] = frozenset()) -> str:
+def finish_reason(completion, stop_ids: tuple[int, ...] = ()) -> str:
     """The runtime's finish reason of a vLLM completion: `tool_call` when it stopped at a stop
     string or at one of `stop_ids` (`MultiTurnRuntime.stop_token_ids`), `length` at the token
     limit, else `eos`."""
@@ -129,7 +129,7 @@ def turn_params(ctx: RolloutContext, runtime: MultiTurnRuntime, seed: int, budge
     stop_ids = runtime.stop_token_ids
     if stop_ids is not None:  # the engine's usual stops (EOS) and these ids
         usual = ctx.sampling_kwargs(budget, 1, seed)["stop_token_ids"]
-        return ctx.draft_params(budget, 1, seed, stop_token_ids=[*usual, *sorted(stop_ids)])
+        return ctx.draft_params(budget, 1, seed, stop_token_ids=[*usual, *stop_ids])
     stops = {"stop": runtime.stop_strings, "include_stop_str_in_output": True}
     return ctx.draft_params(budget, 1, seed, detokenize=True, **stops)
 

@@ -167,7 +167,7 @@ def test_stop_token_ids_end_a_turn_where_the_stop_string_does(char, real_pair):
     from transformers import AutoTokenizer
 
     runtime = MultiTurnRuntime(EMBEDDED, char, use_chat_template=False)
-    assert runtime.stop_token_ids == {char.convert_tokens_to_ids("]")}
+    assert runtime.stop_token_ids == (char.convert_tokens_to_ids("]"),)
     smol = AutoTokenizer.from_pretrained(real_pair.guidance)
     bpe = MultiTurnRuntime(EMBEDDED, smol, use_chat_template=False)
     assert len(bpe.stop_token_ids) > 10  # merged tokens holding `]` too
@@ -179,7 +179,7 @@ def test_stop_token_ids_end_a_turn_where_the_stop_string_does(char, real_pair):
         assert first == bpe.turn_end(ids), text
     assert (
         MultiTurnRuntime(MultiTurnConfig(enable=True, tools=["calculator"]), smol).stop_token_ids
-        == set()
+        == ()
     )
 
     class LongStop(MultiTurnRuntime):

@@ -109,8 +109,8 @@ class MultiTurnRuntime:
         return list(self.format.stop_strings)
 
     @cached_property
-    def stop_token_ids(self) -> frozenset[int] | None:
-        """The ids whose text holds a stop string, when every stop string is one ASCII character
+    def stop_token_ids(self) -> tuple[int, ...] | None:
+        """The ids whose text holds a stop string (ascending), when every stop string is one ASCII character
         (the embedded format's `]`; none for hermes), else None. An ASCII byte never spans two
         tokens, so a turn's text first holds such a stop string at the first of these ids: the
         engine can stop there by id, without detokenizing every step (`multi_turn_mode.
@@ -119,10 +119,10 @@ class MultiTurnRuntime:
         if any(len(stop) != 1 or not stop.isascii() for stop in stops):
             return None
         if not stops:
-            return frozenset()
+            return ()
         vocab = len(getattr(self.tokenizer, "tokenizer", self.tokenizer))  # a processor's own
         texts = self.tokenizer.batch_decode([[i] for i in range(vocab)], skip_special_tokens=True)
-        return frozenset(i for i, text in enumerate(texts) if any(stop in text for stop in stops))
+        return tuple(i for i, text in enumerate(texts) if any(stop in text for stop in stops))
 
     def decode(self, ids: Sequence[int]) -> str:
         """A turn's text as the engine detokenizes it (special tokens skipped)."""
