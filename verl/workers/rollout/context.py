@@ -78,6 +78,11 @@ class RolloutContext:
     multi_turn: MultiTurnRuntime | None = None
     """The tools, call format and delta rule of `config.multi_turn` (None: multi-turn off)."""
 
+    @property
+    def eos_stop_ids(self) -> list[int]:
+        """The ids a request stops at by default: EOS, unless the call ignores it."""
+        return [] if self.ignore_eos else [self.eos_token_id]
+
     def sampling_kwargs(self, max_tokens: int, logprobs: int, seed: int, **overrides) -> dict:
         """SamplingParams fields of a rollout request (the guidance process builds its own)."""
         cfg = self.config
@@ -91,7 +96,7 @@ class RolloutContext:
             detokenize=False,
             ignore_eos=self.ignore_eos,
             flat_logprobs=True,
-            stop_token_ids=[] if self.ignore_eos else [self.eos_token_id],
+            stop_token_ids=self.eos_stop_ids,
             skip_clone=True,
         )
         kwargs.update(overrides)

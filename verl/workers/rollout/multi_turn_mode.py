@@ -128,8 +128,7 @@ def turn_params(ctx: RolloutContext, runtime: MultiTurnRuntime, seed: int, budge
     strings, at the strings themselves, kept in the output (detokenized, so vLLM can match them)."""
     stop_ids = runtime.stop_token_ids
     if stop_ids is not None:  # the engine's usual stops (EOS) and these ids
-        usual = ctx.sampling_kwargs(budget, 1, seed)["stop_token_ids"]
-        return ctx.draft_params(budget, 1, seed, stop_token_ids=[*usual, *stop_ids])
+        return ctx.draft_params(budget, 1, seed, stop_token_ids=[*ctx.eos_stop_ids, *stop_ids])
     stops = {"stop": runtime.stop_strings, "include_stop_str_in_output": True}
     return ctx.draft_params(budget, 1, seed, detokenize=True, **stops)
 
