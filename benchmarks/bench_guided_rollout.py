@@ -28,9 +28,10 @@ the seconds and draft-engine steps inside those lookups (`time_draft_lookups`), 
 it, from /proc/self/clear_refs; each guidance process's peak RSS over the calls).
 
 After the timed repeats, every guided setting gets the cost model's section (`guided_cost.py`,
-docs/design.md "What a guided rollout costs"): its parts timed on the same engines, the
-prediction for both schedules beside the measured ratio, the floor (the best k, engine time
-only) and measured / floor; then where the time went in the draft's process
+docs/design.md "What a guided rollout costs"): its parts timed on the same engines (over the
+whole batch and over one of 2, 4 and 8 groups), the prediction for the sequential schedule and
+for the run's groups beside the measured ratio, the floor (the best k, schedule and number of
+groups, engine time only) and measured / floor; then where the time went in the draft's process
 (`guided_profile.py`: engine steps, rewinds, lookups, requests, waits, verification, the rest).
 
 Usage:
@@ -485,35 +486,62 @@ def cost_model_section(runs, baselines, times, meta, lookup_s, batch, args, voca
                 runs[base][0], ids, args.response, 1, DEFAULT_THREADS
             )
         if id(engine) not in parts_of:
-            ms = sorted({2, 3, 5, 9, k + 1})
-            parts_of[id(engine)] = tuple(
-                [guided_cost.time_draft(engine, ids, args.response, engine.num_logprobs, t) for t in (split, DEFAULT_THREADS)]
-                + [guided_cost.time_guidance(engine, ids, args.response, ms, t, vocab) for t in (split, DEFAULT_THREADS)]
-            )  # fmt: skip
-            split_cpu_threads()
+            parts_of[id(engine)] = time_parts(engine, ids, args.response, sorted({2, 3, 5, 9, k + 1}),
+                                              split, vocab)  # fmt: skip
         m = meta[name]
         rejections = max(1, m["emitted_tokens"] - m["accepted_tokens"] - m["bonus_tokens"])
-        parts = guided_cost.Parts(*parts_of[id(engine)], statistics.median(lookup_s[name]) / rejections,
-                                  args.response)  # fmt: skip
+        *engines, groups = parts_of[id(engine)]
+        parts = guided_cost.Parts(*engines, statistics.median(lookup_s[name]) / rejections,
+                                  args.response, groups)  # fmt: skip
         per_round = guided_cost.measured_tokens_per_round(m["emitted_tokens"], m["sequence_rounds"])
         alpha = guided_cost.effective_alpha(per_round, k, bonus)  # the measured tokens per round
         measured = statistics.median(times[base])
         ratio = statistics.median(times[name]) / measured
-        seq, ovl = (guided_cost.guided_seconds(parts, alpha, k, bonus, s) / measured
-                    for s in ("sequential", "overlapped"))  # fmt: skip
-        best, best_k, schedule = guided_cost.floor(parts, alpha, bonus)
+        g = runs[name][1]
+        seq, ovl = (guided_cost.guided_seconds(parts, alpha, k, bonus, s, groups) / measured
+                    for s, groups in (("sequential", 1), ("overlapped", g)))  # fmt: skip
+        best, best_k, schedule, best_g = guided_cost.floor(parts, alpha, bonus)
+        loose, loose_k, loose_schedule = guided_cost.perfect_overlap_floor(parts, alpha, bonus)
         check = guided_cost.draft_only_seconds(draft_only[base], args.response)
-        print(f"{name}: measured {ratio:.2f}x; model {seq:.2f}x sequential, {ovl:.2f}x overlapped; "
-              f"floor {best / measured:.2f}x (k={best_k}, {schedule}); measured / floor {ratio * measured / best:.2f}x; "
+        print(f"{name}: measured {ratio:.2f}x; model {seq:.2f}x sequential, {ovl:.2f}x overlapped in {g} groups; "
+              f"floor {best / measured:.2f}x (k={best_k}, {schedule}, G={best_g}); "
+              f"measured / floor {ratio * measured / best:.2f}x (the earlier model's perfect overlap: floor "
+              f"{loose / measured:.2f}x, k={loose_k}, {loose_schedule}; measured / it {ratio * measured / loose:.2f}x); "
               f"{per_round:.2f} tokens per sequence-round, effective alpha {alpha:.3f} (accepted / proposed "
               f"{m['accept_rate']:.3f}, which would give {guided_cost.tokens_per_round(m['accept_rate'], k, bonus):.2f}); "
               f"draft-only {measured:.2f} s measured, {check:.2f} s model")  # fmt: skip
-        d_split, d_full, g_split, g_full = parts_of[id(engine)]
+        d_split, d_full, g_split, g_full = engines
         print(f"  parts (split {split} / full {DEFAULT_THREADS} threads): draft step {d_split.step * 1e3:.2f} / "
               f"{d_full.step * 1e3:.2f} ms (draft-only {draft_only[base].step * 1e3:.2f} ms), prefill {d_split.prefill:.3f} / "
               f"{d_full.prefill:.3f} s; guidance call of m positions "
               + ", ".join(f"m={x}: {g_split.verify[x] * 1e3:.1f} / {g_full.verify[x] * 1e3:.1f} ms" for x in sorted(g_split.verify))
               + f"; lookups {parts.lookup_per_rejection * 1e3:.2f} ms per rejection")  # fmt: skip
+        for count, (d_n, g_n) in sorted(groups.items()):
+            print(f"  one of {count} groups ({len(ids) // count} sequences, split): draft step {d_n.step * 1e3:.2f} ms; "
+                  f"guidance call of m = k + 1 = {k + 1}: {g_n.verify_s(k + 1) * 1e3:.1f} ms")  # fmt: skip
+
+
+def time_parts(
+    engine, ids: list[list[int]], length: int, ms: list[int], split: int, vocab: int
+) -> tuple:
+    """The cost model's parts on a rollout's engines: the draft and the guidance with `split`
+    threads and with every core over all `ids`, then {G: (draft, guidance)} with `split`
+    threads over the first B/G of them, for G = 2, 4, 8 dividing B."""
+    whole = [
+        guided_cost.time_draft(engine, ids, length, engine.num_logprobs, t)
+        for t in (split, DEFAULT_THREADS)
+    ]
+    whole += [
+        guided_cost.time_guidance(engine, ids, length, ms, t, vocab)
+        for t in (split, DEFAULT_THREADS)
+    ]
+    groups = {}
+    for count in (g for g in (2, 4, 8) if len(ids) % g == 0):
+        part = ids[: len(ids) // count]
+        groups[count] = (guided_cost.time_draft(engine, part, length, engine.num_logprobs, split),
+                         guided_cost.time_guidance(engine, part, length, ms, split, vocab))  # fmt: skip
+    split_cpu_threads()
+    return (*whole, groups)
 
 
 def top_k_section(

@@ -16,11 +16,18 @@ Seconds of one round, each engine doing its own work:
     D = (k + b)·t_d(B) + (1 - α^k)·t_l          (the draft's steps and lookups)
     V = t_v(B, k + 1)                            (the guidance's verification)
     sequential: D + V   (one engine at a time, each may use every core)
-    overlapped: max(D, V)   (each engine on its own cores, the rounds of other sequences beside)
+    overlapped in G groups of n = B/G sequences (each engine on its own cores; a group's
+    round waits for its own verification, other groups' rounds go on beside it):
+        max(D, G·t_v(n, k + 1), C_n)   with the chain C_n = k·t_d(n) + max(b·t_d(n), t_v(n, k + 1))
+                                                + (1 - α^k)·t_l
+    (the draft's steps merge every proposing group's, so D is its least work; the guidance
+    answers each group's call on its own; a group's next proposals need its verification, which
+    needs its k-th proposal, while its lookahead step runs beside the call.)
 Guided rollout: P_d + P_v + (L / E[N]) · round; draft-only: P_d + (L - 1)·t_d(B).
-The floor is the best of the schedules at the best k for the measured α, with engine time only
-(no Python, no scheduling between calls): a lower bound, since a pipeline of G groups runs each
-engine step over B/G sequences at most, and t(B/G)·G ≥ t(B).
+The floor is the best of the schedules at the best k and G for the measured α, with engine time
+only (no Python, no scheduling between calls, no step waiting for another): a lower bound,
+since t_d(n) ≤ the cost of any step that holds the group and D counts every step as one over all
+B sequences.
 
 Everything here is plain arithmetic on measured seconds, so it is unit tested
 (tests/benchmarks/test_guided_cost.py); bench_guided_rollout.py times the parts in the same run.
@@ -91,7 +98,8 @@ class Engine:
 class Parts:
     """The measured parts of one setting: the draft and the guidance engines with the cores
     split between them (`split`) and with every core (`full`), seconds of lookups per rejection,
-    the response length L."""
+    the response length L, and per number of groups G > 1 the two engines with the cores split
+    over one group's B/G sequences (`groups`: G -> (draft, guidance))."""
 
     draft_split: Engine
     draft_full: Engine
@@ -99,33 +107,60 @@ class Parts:
     guidance_full: Engine
     lookup_per_rejection: float
     length: int
+    groups: dict[int, tuple[Engine, Engine]] = field(default_factory=dict)
+
+    def group(self, g: int) -> tuple[Engine, Engine]:
+        """(draft, guidance) over one of `g` groups, cores split (G = 1: the whole batch)."""
+        if g == 1:
+            return self.draft_split, self.guidance_split
+        if g not in self.groups:
+            raise ValueError(f"groups={g}: timed for {sorted({1, *self.groups})}")
+        return self.groups[g]
 
 
-def _engines(parts: Parts, schedule: str) -> tuple[Engine, Engine]:
-    """(draft, guidance) as a schedule runs them: every core to the engine working
-    ("sequential") or the cores split ("overlapped")."""
+SCHEDULES = ("sequential", "overlapped")
+
+
+def round_seconds(
+    parts: Parts, alpha: float, k: int, bonus: bool, schedule: str, groups: int = 1
+) -> float:
+    """Seconds of one round of every sequence: D + V ("sequential", every core to the engine
+    working) or max(D, G·t_v(n, k + 1), C_n) ("overlapped" in `groups` groups, the cores split)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r}: valid values are {', '.join(SCHEDULES)}")
+    b, lookups = int(bonus), (1.0 - alpha**k) * parts.lookup_per_rejection
     if schedule == "sequential":
-        return parts.draft_full, parts.guidance_full
-    if schedule == "overlapped":
-        return parts.draft_split, parts.guidance_split
-    raise ValueError(f"schedule {schedule!r}: valid values are sequential, overlapped")
+        draft, guidance = parts.draft_full, parts.guidance_full
+        return (k + b) * draft.step + lookups + guidance.verify_s(k + 1)
+    d = _draft_work(parts, alpha, k, bonus)
+    draft_n, guidance_n = parts.group(groups)
+    verify_n = guidance_n.verify_s(k + 1)
+    chain = k * draft_n.step + max(b * draft_n.step, verify_n) + lookups
+    return max(d, groups * verify_n, chain)
 
 
-def round_seconds(parts: Parts, alpha: float, k: int, bonus: bool, schedule: str) -> float:
-    """Seconds of one round: D + V ("sequential") or max(D, V) ("overlapped")."""
-    draft, guidance = _engines(parts, schedule)
-    d = (k + int(bonus)) * draft.step + (1.0 - alpha**k) * parts.lookup_per_rejection
-    v = guidance.verify_s(k + 1)
-    return d + v if schedule == "sequential" else max(d, v)
+def _draft_work(parts: Parts, alpha: float, k: int, bonus: bool) -> float:
+    """D with the cores split: (k + b)·t_d(B) + (1 - α^k)·t_l."""
+    return (k + int(bonus)) * parts.draft_split.step + (1.0 - alpha**k) * parts.lookup_per_rejection
 
 
-def guided_seconds(parts: Parts, alpha: float, k: int, bonus: bool, schedule: str) -> float:
+def _rollout(
+    parts: Parts, alpha: float, k: int, bonus: bool, schedule: str, per_round: float
+) -> float:
+    """P_d + P_v + (L / E[N]) · `per_round`, the prefills as `schedule` runs them."""
+    if schedule == "sequential":
+        prefills = parts.draft_full.prefill + parts.guidance_full.prefill
+    else:
+        prefills = parts.draft_split.prefill + parts.guidance_split.prefill
+    return prefills + parts.length / tokens_per_round(alpha, k, bonus) * per_round
+
+
+def guided_seconds(
+    parts: Parts, alpha: float, k: int, bonus: bool, schedule: str, groups: int = 1
+) -> float:
     """Predicted seconds of the guided rollout: P_d + P_v + (L / E[N]) · round."""
-    draft, guidance = _engines(parts, schedule)
-    rounds = parts.length / tokens_per_round(alpha, k, bonus)
-    return (
-        draft.prefill + guidance.prefill + rounds * round_seconds(parts, alpha, k, bonus, schedule)
-    )
+    per_round = round_seconds(parts, alpha, k, bonus, schedule, groups)
+    return _rollout(parts, alpha, k, bonus, schedule, per_round)
 
 
 def draft_only_seconds(draft_full: Engine, length: int) -> float:
@@ -135,13 +170,29 @@ def draft_only_seconds(draft_full: Engine, length: int) -> float:
 
 def floor(
     parts: Parts, alpha: float, bonus: bool, ks: range = range(1, 13)
-) -> tuple[float, int, str]:
-    """(seconds, k, schedule) of the cheapest schedule at the best k for acceptance `alpha`."""
+) -> tuple[float, int, str, int]:
+    """(seconds, k, schedule, G) of the cheapest schedule at the best k and number of groups G
+    (those timed in `parts`) for acceptance `alpha`."""
+    shapes = [("sequential", 1)] + [("overlapped", g) for g in sorted({1, *parts.groups})]
     return min(
-        (guided_seconds(parts, alpha, k, bonus, s), k, s)
-        for k in ks
-        for s in ("sequential", "overlapped")
+        (guided_seconds(parts, alpha, k, bonus, s, g), k, s, g) for k in ks for s, g in shapes
     )
+
+
+def perfect_overlap_floor(
+    parts: Parts, alpha: float, bonus: bool, ks: range = range(1, 13)
+) -> tuple[float, int, str]:
+    """(seconds, k, schedule) of the model's earlier, looser floor: the overlapped round as
+    max(D, V) over the whole batch, as if the engines overlapped with no group waiting for its
+    own verification and no cost per call (kept to compare, in the same run)."""
+
+    def seconds(k: int, schedule: str) -> float:
+        if schedule == "sequential":
+            return guided_seconds(parts, alpha, k, bonus, schedule)
+        per_round = max(_draft_work(parts, alpha, k, bonus), parts.guidance_split.verify_s(k + 1))
+        return _rollout(parts, alpha, k, bonus, schedule, per_round)
+
+    return min((seconds(k, s), k, s) for k in ks for s in SCHEDULES)
 
 
 # ---------------------------------------------------------------- timing the parts (the engines)

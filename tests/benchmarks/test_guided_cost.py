@@ -73,37 +73,82 @@ def parts() -> object:
         guidance_full=C.Engine(prefill=0.02, verify={5: 0.007}),
         lookup_per_rejection=0.004,
         length=64,
+        groups={
+            2: (C.Engine(prefill=0.0, step=0.0018), C.Engine(prefill=0.0, verify={5: 0.008})),
+            4: (C.Engine(prefill=0.0, step=0.0017), C.Engine(prefill=0.0, verify={5: 0.006})),
+        },
     )
 
 
 def test_round_and_rollout_seconds_by_hand():
     p = parts()
     # α = 0.5, k = 4, bonus: rejections per round 1 - .5^4 = .9375, lookups .9375 · 0.004 = 0.00375
-    # overlapped: D = 5 · 0.002 + 0.00375 = 0.01375, V = 0.012: max 0.01375
-    assert C.round_seconds(p, 0.5, 4, True, "overlapped") == pytest.approx(0.01375, abs=1e-12)
     # sequential: D = 5 · 0.0015 + 0.00375 = 0.01125, V = 0.007: 0.01825
     assert C.round_seconds(p, 0.5, 4, True, "sequential") == pytest.approx(0.01825, abs=1e-12)
-    # rollout: 64 / 1.9375 = 33.0323 rounds; overlapped 0.05 + 0.03 + 33.0323 · 0.01375 = 0.534194
-    assert C.guided_seconds(p, 0.5, 4, True, "overlapped") == pytest.approx(0.534194, abs=1e-6)
+    # overlapped, one group: D = 5 · 0.002 + 0.00375 = 0.01375, V = 0.012,
+    # chain 4 · 0.002 + max(0.002, 0.012) + 0.00375 = 0.02375: the chain
+    assert C.round_seconds(p, 0.5, 4, True, "overlapped") == pytest.approx(0.02375, abs=1e-12)
+    # two groups: 2 · 0.008 = 0.016 of guidance; chain 4 · 0.0018 + 0.008 + 0.00375 = 0.01895
+    assert C.round_seconds(p, 0.5, 4, True, "overlapped", 2) == pytest.approx(0.01895, abs=1e-12)
+    # four groups: 4 · 0.006 = 0.024 of guidance; chain 4 · 0.0017 + 0.006 + 0.00375 = 0.01655
+    assert C.round_seconds(p, 0.5, 4, True, "overlapped", 4) == pytest.approx(0.024, abs=1e-12)
+    # no bonus token, two groups: D = 4 · 0.002 + 0.00375 = 0.01175; chain 4 · 0.0018 + 0.008
+    # + 0.00375 = 0.01895 (the lookahead step is gone, the call was longer anyway)
+    assert C.round_seconds(p, 0.5, 4, False, "overlapped", 2) == pytest.approx(0.01895, abs=1e-12)
+    # a call shorter than a step: the lookahead step bounds the chain, 4 · 0.0018 + 0.0018 + 0.00375
+    quick = C.Parts(p.draft_split, p.draft_full, p.guidance_split, p.guidance_full, 0.004, 64,
+                    {2: (C.Engine(0.0, step=0.0018), C.Engine(0.0, verify={5: 0.001}))})  # fmt: skip
+    assert C.round_seconds(quick, 0.5, 4, True, "overlapped", 2) == pytest.approx(
+        0.01375, abs=1e-12
+    )
+    # (there D = 0.01375 too: 5 · 0.002 + 0.00375; the chain 0.01275 is below it)
+    # rollout: 64 / 1.9375 = 33.0323 rounds; two groups 0.05 + 0.03 + 33.0323 · 0.01895 = 0.706 (.70597)
+    assert C.guided_seconds(p, 0.5, 4, True, "overlapped", 2) == pytest.approx(0.705961, abs=1e-6)
     # sequential: 0.04 + 0.02 + 33.0323 · 0.01825 = 0.662839
     assert C.guided_seconds(p, 0.5, 4, True, "sequential") == pytest.approx(0.662839, abs=1e-6)
     # draft-only: 0.04 + 63 · 0.0015 = 0.1345
     assert C.draft_only_seconds(p.draft_full, 64) == pytest.approx(0.1345, abs=1e-12)
     with pytest.raises(ValueError, match="'both'"):
         C.round_seconds(p, 0.5, 4, True, "both")
+    with pytest.raises(ValueError, match=r"groups=8: timed for \[1, 2, 4\]"):
+        C.round_seconds(p, 0.5, 4, True, "overlapped", 8)
 
 
-def test_floor_is_the_cheapest_schedule_and_k():
+def test_floor_is_the_cheapest_schedule_k_and_groups():
     p = parts()
-    seconds, k, schedule = C.floor(p, 0.5, True)
-    every = [
-        C.guided_seconds(p, 0.5, j, True, s)
-        for j in range(1, 13)
-        for s in ("sequential", "overlapped")
+    seconds, k, schedule, groups = C.floor(p, 0.5, True)
+    every = [C.guided_seconds(p, 0.5, j, True, "sequential") for j in range(1, 13)]
+    every += [
+        C.guided_seconds(p, 0.5, j, True, "overlapped", g) for j in range(1, 13) for g in (1, 2, 4)
     ]
     assert seconds == min(every)
-    assert seconds == C.guided_seconds(p, 0.5, k, True, schedule)
-    # at α = 0.5, k = 1 overlapped: D = 2 · 0.002 + .5 · 0.004 = 0.006, V (m = 2, flat) = 0.012,
-    # E[N] = 1.5: 0.08 + 64 / 1.5 · 0.012 = 0.592 is dearer than k = 4's 0.534194
-    assert C.guided_seconds(p, 0.5, 1, True, "overlapped") == pytest.approx(0.592, abs=1e-9)
-    assert seconds <= 0.534194 + 1e-6
+    assert seconds == C.guided_seconds(p, 0.5, k, True, schedule, groups)
+    # α = 0.5: E[N] = 2 - .5^k. Sequential at k = 1: (1 + 1) · 0.0015 + .5 · 0.004 + 0.007 = 0.012
+    # a round, 64 / 1.5 = 42.667 rounds: 0.04 + 0.02 + 0.512 = 0.572. k = 2 gives 0.0145 · 36.571
+    # + 0.06 = 0.5903; overlapped pays at least 0.016 a round (two groups' calls 2 · 0.008, one
+    # group's chain 0.002 + 0.012 + 0.002) and 0.08 of prefills: 0.7627 at k = 1
+    assert (seconds, k, schedule, groups) == (pytest.approx(0.572, abs=1e-9), 1, "sequential", 1)
+    # a slower guidance with every core (0.02 a call) makes two groups the floor: at k = 3,
+    # D = 4 · 0.002 + .875 · 0.004 = 0.0115, calls 2 · 0.008 = 0.016, chain 3 · 0.0018 + 0.008
+    # + 0.0035 = 0.0169; 64 / 1.875 = 34.133 rounds: 0.08 + 34.133 · 0.0169 = 0.656853 (k = 2:
+    # 0.08 + 36.571 · 0.016 = 0.66514; k = 4: 0.08 + 33.032 · 0.01895 = 0.70596)
+    slow = C.Parts(p.draft_split, p.draft_full, p.guidance_split,
+                   C.Engine(prefill=0.02, verify={5: 0.02}), 0.004, 64, p.groups)  # fmt: skip
+    seconds, k, schedule, groups = C.floor(slow, 0.5, True)
+    assert (seconds, k, schedule, groups) == (pytest.approx(0.656853, abs=1e-6), 3, "overlapped", 2)
+
+
+def test_perfect_overlap_floor_is_the_looser_bound():
+    p = parts()
+    # overlapped as max(D, V), V = 0.012: k = 3, D = 4 · 0.002 + .875 · 0.004 = 0.0115 < V,
+    # 0.08 + 64 / 1.875 · 0.012 = 0.4896; k = 2: 0.08 + 36.571 · 0.012 = 0.51886; k = 4: D = 0.01375,
+    # 0.08 + 33.0323 · 0.01375 = 0.534194. Below the refined floor's 0.572 (sequential, k = 1)
+    assert C.perfect_overlap_floor(p, 0.5, True) == (
+        pytest.approx(0.4896, abs=1e-9),
+        3,
+        "overlapped",
+    )
+    assert C.floor(p, 0.5, True)[0] == pytest.approx(0.572, abs=1e-9)
+    # at k = 1: D = 2 · 0.002 + .5 · 0.004 = 0.006 against V = 0.012: 0.08 + 42.667 · 0.012 = 0.592
+    one = C.perfect_overlap_floor(p, 0.5, True, ks=range(1, 2))
+    assert one == (pytest.approx(0.572, abs=1e-9), 1, "sequential")  # sequential 0.572 < 0.592
