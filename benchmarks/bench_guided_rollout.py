@@ -28,8 +28,9 @@ the seconds and draft-engine steps inside those lookups (`time_draft_lookups`), 
 it, from /proc/self/clear_refs; each guidance process's peak RSS over the calls).
 
 After the timed repeats, every guided setting gets the cost model's section (`guided_cost.py`,
-docs/design.md "What a guided rollout costs"): its parts timed on the same engines (over the
-whole batch and over one of 2, 4 and 8 groups), the prediction for the sequential schedule and
+docs/design.md "What a guided rollout costs"): its parts timed on the same engines after every
+repeat, under the same load, and read as medians (over the whole batch and over one of 2, 4 and
+8 groups), the prediction for the sequential schedule and
 for the run's groups beside the measured ratio, the floor (the best k, schedule and number of
 groups, engine time only) and measured / floor; then where the time went in the draft's process
 (`guided_profile.py`: engine steps, rewinds, lookups, requests, waits, verification, the rest).
@@ -403,6 +404,7 @@ def measure(args: argparse.Namespace, root: str) -> None:
     for _ in range(2):  # warm-up: torch.compile'd helpers specialise on the first shapes they see
         for setting in runs.values():
             call(*setting)
+    parts = CostParts(runs, baselines, batch, args.response, vocab)
     for _ in range(args.repeats):
         for name, setting in runs.items():
             seconds, out = call(*setting)
@@ -413,6 +415,7 @@ def measure(args: argparse.Namespace, root: str) -> None:
             if "parent_peak_rss_growth_kb" in out.meta_info:
                 peaks[name].append(out.meta_info["parent_peak_rss_growth_kb"])
             assert int(out.batch["response_mask"].sum()) == args.prompts * args.response
+        parts.time()  # the cost model's parts, under the same load as this repeat
     if args.real:
         pair_name = (f"real pair (SmolLM2-135M-Instruct and its draft, {Path(draft).parent}; vocabulary {vocab}), "
                      f"{args.prompts} chat prompts of up to {width} tokens")  # fmt: skip
@@ -445,7 +448,7 @@ def measure(args: argparse.Namespace, root: str) -> None:
             f"median {mid:.2f}, quartiles {low:.2f}-{high:.2f}; fastest repeats {best:.2f}x); "
             f"{per_emitted:.2f} guidance tokens computed per emitted token (goal <= 2)"
         )
-    cost_model_section(runs, baselines, times, meta, lookup_s, batch, args, vocab)
+    cost_model_section(runs, baselines, times, meta, lookup_s, parts, args)
     guided = [n for n in baselines if n.startswith("guided")]
     print("\n=== where the guided rollout's time goes (this process, the repeat of median wall time; "
           "seconds, share of the wall time, calls) ===")  # fmt: skip
@@ -465,43 +468,76 @@ def measure(args: argparse.Namespace, root: str) -> None:
               f"overlap faster in {share:.0%} of resamples)")  # fmt: skip
 
 
-def cost_model_section(runs, baselines, times, meta, lookup_s, batch, args, vocab: int) -> None:
+class CostParts:
+    """The cost model's parts of every guided setting, timed after each repeat (`time`) and read
+    as medians over the repeats (`of`): the draft and the guidance engines with the cores split
+    and with every core over the batch, and with the cores split over one of 2, 4 and 8 groups
+    (`time_parts`). Timed once per pair of engines alike (K, eager or compiled), since they do not
+    depend on k: the settings of different k read the same parts."""
+
+    def __init__(self, runs, baselines, batch: DataProto, length: int, vocab: int) -> None:
+        self.ids = [row[mask.bool()].tolist() for row, mask in
+                    zip(batch.batch["input_ids"], batch.batch["attention_mask"])]  # fmt: skip
+        self.length, self.vocab = length, vocab
+        self.engines = {}  # key -> one engine pair of that kind
+        ks = set()
+        for name in (n for n in baselines if n.startswith("guided")):
+            engine = runs[name][0]
+            self.engines.setdefault(self.key(engine), engine)
+            ks.add(engine.config.offpolicy_guidance.num_speculative_tokens)
+        self.ms = sorted({2, 3, 5, 9} | {k + 1 for k in ks})
+        self.timings: dict[tuple, list[tuple]] = {key: [] for key in self.engines}
+
+    @staticmethod
+    def key(engine) -> tuple:
+        guidance = engine.config.offpolicy_guidance
+        return engine.num_logprobs, engine.config.enforce_eager, guidance.enforce_eager
+
+    def time(self) -> None:
+        split = int(split_cpu_threads()["OMP_NUM_THREADS"])
+        for key, engine in self.engines.items():
+            self.timings[key].append(
+                time_parts(engine, self.ids, self.length, self.ms, split, self.vocab)
+            )
+
+    def of(self, engine) -> tuple[list[guided_cost.Engine], dict]:
+        """([draft split, draft full, guidance split, guidance full], {G: (draft, guidance)})."""
+        timings = self.timings[self.key(engine)]
+        whole = [guided_cost.median_engine([t[i] for t in timings]) for i in range(4)]
+        groups = {g: tuple(guided_cost.median_engine([t[4][g][i] for t in timings]) for i in range(2))
+                  for g in timings[0][4]}  # fmt: skip
+        return whole, groups
+
+
+def cost_model_section(runs, baselines, times, meta, lookup_s, parts: CostParts, args) -> None:
     """Per guided setting: the measured ratio beside the cost model's prediction (sequential and
-    overlapped schedules) and the floor (`guided_cost`), from its parts timed now on the same
-    engines: each engine's prefill and step (draft) or call of m new positions (guidance), with
-    the cores split and with every core; the lookups' seconds per rejection from the timed runs."""
+    the run's groups) and the floor (`guided_cost`), from its parts timed on the same engines
+    after every repeat (`CostParts`), and the earlier model's floor; the lookups' seconds per
+    rejection from the timed runs."""
     print("\n=== cost model (guided / draft-only; benchmarks/guided_cost.py, docs/design.md) ===")
-    ids = [row[mask.bool()].tolist() for row, mask in
-           zip(batch.batch["input_ids"], batch.batch["attention_mask"])]  # fmt: skip
     split = int(split_cpu_threads()["OMP_NUM_THREADS"])
-    parts_of: dict[int, tuple] = {}  # id(engine) -> its timed engines
     draft_only: dict[str, guided_cost.Engine] = {}
-    for name, base in baselines.items():
-        if not name.startswith("guided"):
-            continue
-        engine, _, bonus, _, _ = runs[name]
+    for name in (n for n in baselines if n.startswith("guided")):
+        base = baselines[name]
+        engine, g, bonus, _, _ = runs[name]
         k = engine.config.offpolicy_guidance.num_speculative_tokens
         if base not in draft_only:
             draft_only[base] = guided_cost.time_draft(
-                runs[base][0], ids, args.response, 1, DEFAULT_THREADS
+                runs[base][0], parts.ids, args.response, 1, DEFAULT_THREADS
             )
-        if id(engine) not in parts_of:
-            parts_of[id(engine)] = time_parts(engine, ids, args.response, sorted({2, 3, 5, 9, k + 1}),
-                                              split, vocab)  # fmt: skip
+        engines, groups = parts.of(engine)
         m = meta[name]
         rejections = max(1, m["emitted_tokens"] - m["accepted_tokens"] - m["bonus_tokens"])
-        *engines, groups = parts_of[id(engine)]
-        parts = guided_cost.Parts(*engines, statistics.median(lookup_s[name]) / rejections,
+        model = guided_cost.Parts(*engines, statistics.median(lookup_s[name]) / rejections,
                                   args.response, groups)  # fmt: skip
         per_round = guided_cost.measured_tokens_per_round(m["emitted_tokens"], m["sequence_rounds"])
         alpha = guided_cost.effective_alpha(per_round, k, bonus)  # the measured tokens per round
         measured = statistics.median(times[base])
         ratio = statistics.median(times[name]) / measured
-        g = runs[name][1]
-        seq, ovl = (guided_cost.guided_seconds(parts, alpha, k, bonus, s, groups) / measured
-                    for s, groups in (("sequential", 1), ("overlapped", g)))  # fmt: skip
-        best, best_k, schedule, best_g = guided_cost.floor(parts, alpha, bonus)
-        loose, loose_k, loose_schedule = guided_cost.perfect_overlap_floor(parts, alpha, bonus)
+        seq, ovl = (guided_cost.guided_seconds(model, alpha, k, bonus, s, count) / measured
+                    for s, count in (("sequential", 1), ("overlapped", g)))  # fmt: skip
+        best, best_k, schedule, best_g = guided_cost.floor(model, alpha, bonus)
+        loose, loose_k, loose_schedule = guided_cost.perfect_overlap_floor(model, alpha, bonus)
         check = guided_cost.draft_only_seconds(draft_only[base], args.response)
         print(f"{name}: measured {ratio:.2f}x; model {seq:.2f}x sequential, {ovl:.2f}x overlapped in {g} groups; "
               f"floor {best / measured:.2f}x (k={best_k}, {schedule}, G={best_g}); "
@@ -511,13 +547,13 @@ def cost_model_section(runs, baselines, times, meta, lookup_s, batch, args, voca
               f"{m['accept_rate']:.3f}, which would give {guided_cost.tokens_per_round(m['accept_rate'], k, bonus):.2f}); "
               f"draft-only {measured:.2f} s measured, {check:.2f} s model")  # fmt: skip
         d_split, d_full, g_split, g_full = engines
-        print(f"  parts (split {split} / full {DEFAULT_THREADS} threads): draft step {d_split.step * 1e3:.2f} / "
-              f"{d_full.step * 1e3:.2f} ms (draft-only {draft_only[base].step * 1e3:.2f} ms), prefill {d_split.prefill:.3f} / "
-              f"{d_full.prefill:.3f} s; guidance call of m positions "
+        print(f"  parts (medians of {len(parts.timings[parts.key(engine)])} timings; split {split} / full {DEFAULT_THREADS} "
+              f"threads): draft step {d_split.step * 1e3:.2f} / {d_full.step * 1e3:.2f} ms (draft-only "
+              f"{draft_only[base].step * 1e3:.2f} ms), prefill {d_split.prefill:.3f} / {d_full.prefill:.3f} s; guidance call of m positions "
               + ", ".join(f"m={x}: {g_split.verify[x] * 1e3:.1f} / {g_full.verify[x] * 1e3:.1f} ms" for x in sorted(g_split.verify))
-              + f"; lookups {parts.lookup_per_rejection * 1e3:.2f} ms per rejection")  # fmt: skip
+              + f"; lookups {model.lookup_per_rejection * 1e3:.2f} ms per rejection")  # fmt: skip
         for count, (d_n, g_n) in sorted(groups.items()):
-            print(f"  one of {count} groups ({len(ids) // count} sequences, split): draft step {d_n.step * 1e3:.2f} ms; "
+            print(f"  one of {count} groups ({len(parts.ids) // count} sequences, split): draft step {d_n.step * 1e3:.2f} ms; "
                   f"guidance call of m = k + 1 = {k + 1}: {g_n.verify_s(k + 1) * 1e3:.1f} ms")  # fmt: skip
 
 

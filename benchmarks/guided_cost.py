@@ -195,6 +195,17 @@ def perfect_overlap_floor(
     return min((seconds(k, s), k, s) for k in ks for s in SCHEDULES)
 
 
+def median_engine(timings: list[Engine]) -> Engine:
+    """One `Engine` of the medians, field by field (and m by m), of `timings` of the same engine
+    taken at different moments of a run."""
+    ms = sorted(set.intersection(*(set(t.verify) for t in timings)))
+    return Engine(
+        prefill=statistics.median(t.prefill for t in timings),
+        step=statistics.median(t.step for t in timings),
+        verify={m: statistics.median(t.verify[m] for t in timings) for m in ms},
+    )
+
+
 # ---------------------------------------------------------------- timing the parts (the engines)
 def _median_seconds(run, repeats: int) -> float:
     times = []

@@ -152,3 +152,16 @@ def test_perfect_overlap_floor_is_the_looser_bound():
     # at k = 1: D = 2 · 0.002 + .5 · 0.004 = 0.006 against V = 0.012: 0.08 + 42.667 · 0.012 = 0.592
     one = C.perfect_overlap_floor(p, 0.5, True, ks=range(1, 2))
     assert one == (pytest.approx(0.572, abs=1e-9), 1, "sequential")  # sequential 0.572 < 0.592
+
+
+def test_median_engine_takes_each_field_on_its_own():
+    timings = [
+        C.Engine(prefill=0.03, step=0.004, verify={2: 0.010, 3: 0.012}),
+        C.Engine(prefill=0.01, step=0.006, verify={2: 0.009, 3: 0.020}),
+        C.Engine(prefill=0.02, step=0.005, verify={2: 0.030, 3: 0.011, 5: 0.5}),
+    ]
+    # prefill median of (.03, .01, .02) = .02; step of (.004, .006, .005) = .005; m = 2: median
+    # of (.010, .009, .030) = .010; m = 3: of (.012, .020, .011) = .012; m = 5 timed once: left out
+    assert C.median_engine(timings) == C.Engine(
+        prefill=0.02, step=0.005, verify={2: 0.010, 3: 0.012}
+    )
