@@ -138,10 +138,8 @@ def draft_turn(completion, runtime: MultiTurnRuntime) -> Turn:
     the engine would have detokenized it (`runtime.turn_text` where it stopped by id)."""
     ids, log_probs = sampled_log_probs(completion)
     stop_ids = runtime.stop_token_ids
-    if stop_ids is None:
-        text, reason = completion.text, finish_reason(completion)
-    else:
-        text, reason = runtime.turn_text(ids), finish_reason(completion, stop_ids)
+    text = completion.text if stop_ids is None else runtime.turn_text(ids)
+    reason = finish_reason(completion, stop_ids or ())
     return Turn(ids, text, reason, {"rollout_log_probs": log_probs})
 
 
