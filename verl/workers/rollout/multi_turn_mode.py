@@ -36,8 +36,7 @@ response_mask 0.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +47,15 @@ from verl.trainer.core_algos.guidance import LOG_PROB_FLOOR
 from verl.utils.vision import engine_request
 from verl.workers.rollout.config import OffPolicyGuidanceConfig
 from verl.workers.rollout.context import RolloutContext
+from verl.workers.rollout.episode_stream import (
+    EpisodeStream,
+    Outcomes,
+    ToolRuns,
+    Turn,
+    draft_turn,
+    follow,
+    turn_params,
+)
 from verl.workers.rollout.modes import (
     GENERATION_MODES,
     Generated,
@@ -60,16 +68,12 @@ from verl.workers.rollout.multi_turn import (
     ToolCall,
     ToolResult,
     Trajectory,
-    TurnOutcome,
     pack,
     retokenized_tokens,
 )
-from verl.workers.rollout.multi_turn.runtime import TurnCalls
 from verl.workers.rollout.packing import guidance_part
 from verl.workers.rollout.speculative import GuidedSequence, RoundStats, SpeculativeBatch
 from verl.workers.rollout.speculative_mode import run_rounds, sessions_freed, wave_size
-from verl.workers.rollout.vllm_engine import RequestStream
-from verl.workers.rollout.vllm_sessions import sampled_log_probs
 
 MULTI_TURN_COUNTS = ("num_turns", "num_tool_calls", "num_tool_errors", "num_tool_truncated",
                      "retokenized")  # fmt: skip
@@ -83,64 +87,13 @@ TURN_BARRIER_KEY = "multi_turn_barrier"
 or `GuidedTurns`: one engine call or one `run_rounds` per turn) instead of on their own
 (`EpisodeStream`, `GuidedEpisodes`); the same seeds per turn, kept as the reference the tests and
 the benchmark compare against."""
-TOOL_GRACE_S = 0.01
-"""Seconds the loop waits at most for the threaded calls of the turns that just ended before it
-steps the engines on (it goes on as soon as they returned; the built-in tools run inline and
-need none): a fast tool's episode (its thread starts in about a millisecond on a busy CPU) then
-joins the very next step instead of the one after; a slow tool costs the engines this once per
-step that ended turns. Without it the tool task took 44 engine steps a call instead of 42."""
 GUIDED_SLOTS = ("guidance_log_probs", "target_log_probs", "guidance_lam", "guidance_strength",
                 "draft_entropy", "offpolicy")  # fmt: skip
 """Per policy token slots of a guided turn, beside `rollout_log_probs` (the draft's log p)."""
 
 
-@dataclass
-class Turn:
-    """One policy turn of one episode as a turn function returns it."""
-
-    ids: list[int]
-    text: str
-    reason: str
-    """Why it ended (`runtime.FINISH_REASONS`)."""
-    slots: dict[str, list[float]]
-    seq: GuidedSequence | None = None
-    """The speculative generation behind it (guided turns)."""
-
-
 TurnFn = Callable[[list[int], list[list[int]], list[int], int], list[Turn]]
 """(episode indices, their contexts, their token budgets, the turn number from 1) -> turns."""
-
-
-def finish_reason(completion, stop_ids: tuple[int, ...] = ()) -> str:
-    """The runtime's finish reason of a vLLM completion: `tool_call` when it stopped at a stop
-    string or at one of `stop_ids` (`MultiTurnRuntime.stop_token_ids`), `length` at the token
-    limit, else `eos`."""
-    if completion.finish_reason == "length":
-        return "length"
-    stop = completion.stop_reason
-    return "tool_call" if isinstance(stop, str) or stop in stop_ids else "eos"
-
-
-def turn_params(ctx: RolloutContext, runtime: MultiTurnRuntime, seed: int, budget: int):
-    """The draft's `SamplingParams` of one turn: the rollout's, seeded `seed`, at most `budget`
-    tokens, the log-prob of each sampled token, ending where the format's stop strings end it:
-    at the ids holding them (`runtime.stop_token_ids`, nothing detokenized), or, for longer stop
-    strings, at the strings themselves, kept in the output (detokenized, so vLLM can match them)."""
-    stop_ids = runtime.stop_token_ids
-    if stop_ids is not None:  # the engine's usual stops (EOS) and these ids
-        return ctx.draft_params(budget, 1, seed, stop_token_ids=[*ctx.eos_stop_ids, *stop_ids])
-    stops = {"stop": runtime.stop_strings, "include_stop_str_in_output": True}
-    return ctx.draft_params(budget, 1, seed, detokenize=True, **stops)
-
-
-def draft_turn(completion, runtime: MultiTurnRuntime) -> Turn:
-    """A vLLM completion as a `Turn`, its sampled log-probs as `rollout_log_probs`; its text as
-    the engine would have detokenized it (`runtime.turn_text` where it stopped by id)."""
-    ids, log_probs = sampled_log_probs(completion)
-    stop_ids = runtime.stop_token_ids
-    text = completion.text if stop_ids is None else runtime.turn_text(ids)
-    reason = finish_reason(completion, stop_ids or ())
-    return Turn(ids, text, reason, {"rollout_log_probs": log_probs})
 
 
 def draft_turns(
@@ -228,18 +181,6 @@ class GuidedTurns:
         return [guided_turn(self.ctx, runtime, seq, self.lam) for seq in seqs]
 
 
-def follow(episode: Trajectory, outcome: TurnOutcome, reason: str, limit: int) -> tuple[bool, bool]:
-    """Append `outcome` (of a turn that ended for `reason`) to `episode`: (whether it goes on to
-    another turn, whether it ended cut: at `max_turns` with calls left unanswered, at the
-    response budget `limit` (the delta used it up), or at the token limit)."""
-    outcome.append_to(episode)
-    if outcome.unanswered:
-        return False, True
-    if outcome.continues:
-        return (True, False) if len(episode.response_ids) < limit else (False, True)
-    return False, reason == "length"
-
-
 def run_episodes(
     limit: int, runtime: MultiTurnRuntime, prompts: list[list[int]], turns: TurnFn
 ) -> tuple[list[Trajectory], list[bool]]:
@@ -265,140 +206,8 @@ def run_episodes(
     return episodes, cut
 
 
-class ToolRuns:
-    """Episodes' tool calls running on a thread pool while the engines step: `start` one answered
-    turn's calls (`call_tools(i, calls)`, None: `runtime.run_calls`), `returned` those that came
-    back. Threads: one per `max_parallel_tools` (the calls themselves share the runtime's
-    `tool_slots`). A `with` block; leaving it drops what is still queued."""
-
-    def __init__(self, runtime: MultiTurnRuntime, call_tools: Callable | None = None) -> None:
-        self.runtime, self._own = runtime, call_tools is None
-        self.call_tools = call_tools or (lambda _, calls: runtime.run_calls(calls))
-        self._pool = ThreadPoolExecutor(runtime.tool_slots.size, thread_name_prefix="turn-tools")
-        self._running: dict[Future, tuple[int, TurnCalls]] = {}  # -> (episode, its turn)
-        self._fresh: list[Future] = []  # started since the last `returned`
-
-    def __enter__(self) -> ToolRuns:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    def start(self, i: int, turn: TurnCalls) -> None:
-        """Run episode i's answered `turn`'s calls: here and now when none needs a thread
-        (`runtime.runs_inline`: the built-in lookup and calculator), else on the pool."""
-        if self._own and self.runtime.runs_inline(turn.calls):
-            future = Future()
-            future.set_result(self.call_tools(i, turn.calls))
-        else:
-            future = self._pool.submit(self.call_tools, i, turn.calls)
-            self._fresh.append(future)
-        self._running[future] = (i, turn)
-
-    @property
-    def waiting(self) -> bool:
-        """Some calls have not returned yet."""
-        return bool(self._running)
-
-    def returned(self, wait_for_one: bool) -> list[tuple[int, TurnCalls, list[ToolResult]]]:
-        """(episode, turn, results) of the calls that returned, in episode order: after waiting
-        up to `TOOL_GRACE_S` for those started since the last call, and with `wait_for_one` until
-        some call returned (when some run)."""
-        if self._fresh:
-            wait(self._fresh, timeout=TOOL_GRACE_S)
-            self._fresh.clear()
-        if wait_for_one and self._running:
-            wait(self._running, return_when=FIRST_COMPLETED)
-        done = sorted((f for f in self._running if f.done()), key=lambda f: self._running[f][0])
-        return [(*self._running.pop(f), f.result()) for f in done]
-
-
-class _Outcomes:
-    """What `EpisodeStream` and `GuidedEpisodes` share: an ended turn's outcome. Needs
-    `episodes`, `runtime`, `cut`, `limit` and `finished` on the instance."""
-
-    def _follow(self, i: int, read: TurnCalls, results: list[ToolResult]) -> bool:
-        """Episode i's outcome (`follow`); whether it goes on."""
-        goes_on, self.cut[i] = follow(self.episodes[i], self.runtime.answer(read, results),
-                                      read.reason, self.limit)  # fmt: skip
-        if not goes_on:
-            self.finished.append(i)
-        return goes_on
-
-
 @dataclass
-class EpisodeStream(_Outcomes):
-    """Draft-only episodes that advance on their own (continuous batching across episodes).
-
-    Every episode's first turn is a request on the draft engine (`RequestStream`); the engine steps
-    while requests join. When a turn finishes, its calls are read at once (`runtime.read`) and,
-    when answered, run on a thread pool while the engine keeps stepping (`ToolRuns`); once they
-    return, the delta is appended and the episode's next turn joins the engine's next step as a
-    new request (prompt: the whole episode so far; at most the budget left). Turn k of episode i
-    is seeded `seeds[i]` + k - 1 (`turn_params`), as in `draft_turns`, so an episode's tokens do
-    not depend on when its turns ran. `call_tools(i, calls)` runs episode i's calls on a pool
-    thread (None: `runtime.run_calls`). `submitted` lists (episode, turn) of every request in the
-    order they were added, `finished` the episodes in the order they ended."""
-
-    ctx: RolloutContext
-    runtime: MultiTurnRuntime
-    prompts: list[list[int]]
-    seeds: np.ndarray
-    limit: int
-    call_tools: Callable[[int, list[ToolCall]], list[ToolResult]] | None = None
-    submitted: list[tuple[int, int]] = field(default_factory=list)
-    finished: list[int] = field(default_factory=list)
-    images: list | None = None
-    """Each episode's prompt images (`Job.images`), or None."""
-
-    def run(self) -> tuple[list[Trajectory], list[bool]]:
-        """The episodes, and whether each ended cut (`follow`)."""
-        n = len(self.prompts)
-        self.episodes = [Trajectory(list(p)) for p in self.prompts]
-        self.cut, self._turns = [False] * n, [0] * n
-        self._owner: dict[str, int] = {}  # request id -> its episode
-        with (
-            RequestStream(self.ctx.engines.draft) as stream,
-            ToolRuns(self.runtime, self.call_tools) as tools,
-        ):
-            self._submit(stream, range(n))
-            while stream.busy or tools.waiting:
-                for output in sorted(stream.step() if stream.busy else [],
-                                     key=lambda o: self._owner[o.request_id]):  # fmt: skip
-                    self._turn_ended(tools, self._owner.pop(output.request_id), output)
-                returned = tools.returned(wait_for_one=not stream.busy)
-                self._submit(stream, [i for i, turn, results in returned
-                                      if self._follow(i, turn, results)])  # fmt: skip
-        return self.episodes, self.cut
-
-    def _submit(self, stream: RequestStream, episodes: Iterable[int]) -> None:
-        """Each episode's next turn as a request."""
-        prompts, params = [], []
-        for i in episodes:
-            self._turns[i] += 1
-            seed = int(self.seeds[i]) + self._turns[i] - 1
-            budget = self.limit - len(self.episodes[i].response_ids)
-            params.append(turn_params(self.ctx, self.runtime, seed, budget))
-            opening = self.images[i] if self.images else None
-            prompts.append(engine_request(self.episodes[i].context_ids(), opening))
-            self.submitted.append((i, self._turns[i]))
-        if prompts:
-            mine = [i for i, _ in self.submitted[-len(prompts) :]]
-            self._owner.update(zip(stream.add(prompts, params), mine, strict=True))
-
-    def _turn_ended(self, tools: ToolRuns, i: int, output) -> None:
-        """Record episode i's finished turn; start its calls, or end it."""
-        turn = draft_turn(output.outputs[0], self.runtime)
-        self.episodes[i].add_turn(turn.ids, **turn.slots)
-        read = self.runtime.read(turn.text, turn.reason, self._turns[i])
-        if read.answered:
-            tools.start(i, read)
-        else:
-            self._follow(i, read, [])
-
-
-@dataclass
-class GuidedEpisodes(_Outcomes):
+class GuidedEpisodes(Outcomes):
     """Guided episodes of one wave that advance on their own: one `run_rounds` over the wave, whose
     batches hand each ended turn here (`speculative.Refill`). A turn's calls run on a thread pool
     while the rounds go on (`ToolRuns`); once they return, the delta is appended and the episode

@@ -268,6 +268,29 @@ class RequestStream:
             )
         return finished
 
+    def interrupt(self) -> list:
+        """Abort every request of this stream, between two steps, and return each one's output so
+        far: a `RequestOutput` whose completion holds the tokens and sampled log-probs of the
+        steps that ended (none for a request still waiting), with `finish_reason` "abort" (AReaL's
+        interruptible generation: a weight sync need not wait for the requests to end). The
+        offline engine reports final outputs only, so they are made from vLLM's output processor,
+        which holds what each request sampled so far; a step still in flight on an asynchronous
+        scheduler is dropped with the request (its tokens were never reported)."""
+        from vllm.v1.engine import FinishReason
+
+        processor = self._llm.llm_engine.output_processor
+        running = sorted(self._running)
+        outputs = [
+            processor.request_states[internal].make_request_output(
+                [], None, FinishReason.ABORT, None
+            )
+            for external in running
+            for internal in processor.external_req_ids.get(external, [])
+        ]
+        self._llm.llm_engine.abort_request(running, internal=False)
+        self._running.clear()
+        return outputs
+
     def __enter__(self) -> RequestStream:
         return self
 

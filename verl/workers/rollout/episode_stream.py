@@ -1,0 +1,395 @@
+"""Draft-only multi-turn episodes that advance on their own, and the turn pieces they share with
+the guided loop: a vLLM completion as a `Turn`, a turn's sampling parameters, an ended turn's
+outcome (`follow`), tool calls on a thread pool (`ToolRuns`).
+
+`EpisodeStream` runs episodes on the draft engine, stepped one step at a time
+(`vllm_engine.RequestStream`): an episode's next turn joins the engine as soon as its own calls
+returned. It is also a pool that outlives one batch: episodes join while others run (the drained
+tail of one batch filled with the next one's episodes), and a weight sync interrupts the turns in
+flight between two steps and resumes them under the new weights (AReaL's partial rollout), every
+token recording the version that sampled it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from verl.utils.vision import engine_request
+from verl.workers.rollout.context import RolloutContext
+from verl.workers.rollout.multi_turn import (
+    MultiTurnRuntime,
+    ToolCall,
+    ToolResult,
+    Trajectory,
+    TurnOutcome,
+)
+from verl.workers.rollout.multi_turn.runtime import TurnCalls
+from verl.workers.rollout.speculative import GuidedSequence
+from verl.workers.rollout.vllm_engine import RequestStream
+from verl.workers.rollout.vllm_sessions import sampled_log_probs
+
+TOOL_GRACE_S = 0.01
+"""Seconds the loop waits at most for the threaded calls of the turns that just ended before it
+steps the engines on (it goes on as soon as they returned; the built-in tools run inline and
+need none): a fast tool's episode (its thread starts in about a millisecond on a busy CPU) then
+joins the very next step instead of the one after; a slow tool costs the engines this once per
+step that ended turns. Without it the tool task took 44 engine steps a call instead of 42."""
+VERSION_SLOT = "sample_version"
+"""The policy-token slot of a `versioned` `EpisodeStream`'s episodes: the weight version of the
+draft that sampled the token (`EpisodeStream.version`); an interrupted turn holds several."""
+
+
+@dataclass
+class Turn:
+    """One policy turn of one episode as a turn function returns it."""
+
+    ids: list[int]
+    text: str
+    reason: str
+    """Why it ended (`runtime.FINISH_REASONS`)."""
+    slots: dict[str, list[float]]
+    seq: GuidedSequence | None = None
+    """The speculative generation behind it (guided turns)."""
+
+
+
+def finish_reason(completion, stop_ids: tuple[int, ...] = ()) -> str:
+    """The runtime's finish reason of a vLLM completion: `tool_call` when it stopped at a stop
+    string or at one of `stop_ids` (`MultiTurnRuntime.stop_token_ids`), `length` at the token
+    limit, else `eos`."""
+    if completion.finish_reason == "length":
+        return "length"
+    stop = completion.stop_reason
+    return "tool_call" if isinstance(stop, str) or stop in stop_ids else "eos"
+
+
+def turn_params(ctx: RolloutContext, runtime: MultiTurnRuntime, seed: int, budget: int):
+    """The draft's `SamplingParams` of one turn: the rollout's, seeded `seed`, at most `budget`
+    tokens, the log-prob of each sampled token, ending where the format's stop strings end it:
+    at the ids holding them (`runtime.stop_token_ids`, nothing detokenized), or, for longer stop
+    strings, at the strings themselves, kept in the output (detokenized, so vLLM can match them)."""
+    stop_ids = runtime.stop_token_ids
+    if stop_ids is not None:  # the engine's usual stops (EOS) and these ids
+        return ctx.draft_params(budget, 1, seed, stop_token_ids=[*ctx.eos_stop_ids, *stop_ids])
+    stops = {"stop": runtime.stop_strings, "include_stop_str_in_output": True}
+    return ctx.draft_params(budget, 1, seed, detokenize=True, **stops)
+
+
+def draft_turn(completion, runtime: MultiTurnRuntime) -> Turn:
+    """A vLLM completion as a `Turn`, its sampled log-probs as `rollout_log_probs`; its text as
+    the engine would have detokenized it (`runtime.turn_text` where it stopped by id)."""
+    ids, log_probs = sampled_log_probs(completion)
+    stop_ids = runtime.stop_token_ids
+    text = completion.text if stop_ids is None else runtime.turn_text(ids)
+    reason = finish_reason(completion, stop_ids or ())
+    return Turn(ids, text, reason, {"rollout_log_probs": log_probs})
+
+
+
+def follow(episode: Trajectory, outcome: TurnOutcome, reason: str, limit: int) -> tuple[bool, bool]:
+    """Append `outcome` (of a turn that ended for `reason`) to `episode`: (whether it goes on to
+    another turn, whether it ended cut: at `max_turns` with calls left unanswered, at the
+    response budget `limit` (the delta used it up), or at the token limit)."""
+    outcome.append_to(episode)
+    if outcome.unanswered:
+        return False, True
+    if outcome.continues:
+        return (True, False) if len(episode.response_ids) < limit else (False, True)
+    return False, reason == "length"
+
+
+
+class ToolRuns:
+    """Episodes' tool calls running on a thread pool while the engines step: `start` one answered
+    turn's calls (`call_tools(i, calls)`, None: `runtime.run_calls`), `returned` those that came
+    back. Threads: one per `max_parallel_tools` (the calls themselves share the runtime's
+    `tool_slots`). A `with` block; leaving it drops what is still queued."""
+
+    def __init__(self, runtime: MultiTurnRuntime, call_tools: Callable | None = None) -> None:
+        self.runtime, self._own = runtime, call_tools is None
+        self.call_tools = call_tools or (lambda _, calls: runtime.run_calls(calls))
+        self._pool = ThreadPoolExecutor(runtime.tool_slots.size, thread_name_prefix="turn-tools")
+        self._running: dict[Future, tuple[int, TurnCalls]] = {}  # -> (episode, its turn)
+        self._fresh: list[Future] = []  # started since the last `returned`
+
+    def __enter__(self) -> ToolRuns:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def start(self, i: int, turn: TurnCalls) -> None:
+        """Run episode i's answered `turn`'s calls: here and now when none needs a thread
+        (`runtime.runs_inline`: the built-in lookup and calculator), else on the pool."""
+        if self._own and self.runtime.runs_inline(turn.calls):
+            future = Future()
+            future.set_result(self.call_tools(i, turn.calls))
+        else:
+            future = self._pool.submit(self.call_tools, i, turn.calls)
+            self._fresh.append(future)
+        self._running[future] = (i, turn)
+
+    @property
+    def waiting(self) -> bool:
+        """Some calls have not returned yet."""
+        return bool(self._running)
+
+    def returned(self, wait_for_one: bool) -> list[tuple[int, TurnCalls, list[ToolResult]]]:
+        """(episode, turn, results) of the calls that returned, in episode order: after waiting
+        up to `TOOL_GRACE_S` for those started since the last call, and with `wait_for_one` until
+        some call returned (when some run)."""
+        if self._fresh:
+            wait(self._fresh, timeout=TOOL_GRACE_S)
+            self._fresh.clear()
+        if wait_for_one and self._running:
+            wait(self._running, return_when=FIRST_COMPLETED)
+        done = sorted((f for f in self._running if f.done()), key=lambda f: self._running[f][0])
+        return [(*self._running.pop(f), f.result()) for f in done]
+
+
+class Outcomes:
+    """What `EpisodeStream` and `GuidedEpisodes` share: an ended turn's outcome. Needs
+    `episodes`, `runtime`, `cut`, `limit` and `finished` on the instance."""
+
+    def _follow(self, i: int, read: TurnCalls, results: list[ToolResult]) -> bool:
+        """Episode i's outcome (`follow`); whether it goes on."""
+        goes_on, self.cut[i] = follow(self.episodes[i], self.runtime.answer(read, results),
+                                      read.reason, self.limit)  # fmt: skip
+        if not goes_on:
+            self.finished.append(i)
+        return goes_on
+
+
+
+def piece_seed(seed: int, turn: int, piece: int) -> int:
+    """The seed of piece `piece` (0: the turn's first request) of an episode's turn `turn` (from 1):
+    `seed` + turn - 1 for a first piece, as `draft_turns` seeds a turn; for a piece resumed after
+    an interruption a seed mixed from all three (`numpy.random.SeedSequence`, 31 bits). It must
+    not be the first piece's: vLLM would replay that seed's draws from the start, and a draw
+    that already chose an earlier token of the turn is no longer uniform given that token."""
+    if piece == 0:
+        return seed + turn - 1
+    state = np.random.SeedSequence([seed, turn, piece]).generate_state(1, dtype=np.uint32)
+    return int(state[0]) >> 1
+
+
+@dataclass
+class EpisodeStream(Outcomes):
+    """Draft-only episodes that advance on their own (continuous batching across episodes).
+
+    Every episode's first turn is a request on the draft engine (`RequestStream`); the engine steps
+    while requests join. When a turn finishes, its calls are read at once (`runtime.read`) and,
+    when answered, run on a thread pool while the engine keeps stepping (`ToolRuns`); once they
+    return, the delta is appended and the episode's next turn joins the engine's next step as a
+    new request (prompt: the whole episode so far; at most the budget left). Turn k of episode i
+    is seeded `seeds[i]` + k - 1 (`turn_params`), as in `draft_turns`, so an episode's tokens do
+    not depend on when its turns ran. `call_tools(i, calls)` runs episode i's calls on a pool
+    thread (None: `runtime.run_calls`). `submitted` lists (episode, turn) of every turn in the
+    order they started, `finished` the episodes in the order they ended.
+
+    `run` runs the episodes given to the constructor. As a pool (`with stream:`), episodes are
+    `add`ed and `admit`ted at any time and the engine stepped until a condition holds
+    (`advance`, which can also admit waiting episodes as others end). `interrupt` aborts the
+    turns on the engine between two steps, keeping each one's tokens so far; the caller reloads
+    the weights; `resume(version)` submits each interrupted turn again where it stopped (prompt:
+    the episode and the turn's tokens; budget: what is left; its draws seeded anew, `piece_seed`),
+    so every token is an exact draw of the weights that sampled it, given everything before it.
+    With `versioned` each policy token records that version (`VERSION_SLOT`)."""
+
+    ctx: RolloutContext
+    runtime: MultiTurnRuntime
+    prompts: list[list[int]]
+    seeds: np.ndarray
+    limit: int
+    call_tools: Callable[[int, list[ToolCall]], list[ToolResult]] | None = None
+    submitted: list[tuple[int, int]] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+    images: list | None = None
+    """Each episode's prompt images (`Job.images`), or None."""
+    versioned: bool = False
+    """Record each policy token's weight version (`VERSION_SLOT`)."""
+    version: int = 0
+    """The engine's weight version (`resume` sets it)."""
+    interrupted: int = 0
+    """Turns interrupted so far (one turn interrupted twice counts twice)."""
+
+    def __post_init__(self) -> None:
+        first = (self.prompts, self.seeds, self.images)
+        self.prompts, self.seeds, self.images = [], [], None if self.images is None else []
+        self.episodes: list[Trajectory] = []
+        self.cut: list[bool] = []
+        self._turns: list[int] = []  # turns started per episode
+        self._breaks: list[int] = []  # interruptions of the turn running
+        self._pieces: list[list[tuple[list[int], list[float], int]]] = []  # its tokens so far
+        self._paused: list[int] = []
+        self._owner: dict[str, int] = {}  # request id -> its episode
+        self._started = 0
+        self._exit: ExitStack | None = None
+        self.add(*first)
+
+    def add(self, prompts: list[list[int]], seeds: Iterable[int], images: list | None = None) -> range:
+        """New episodes, not started yet (`admit`); their indices."""
+        if (images is None) != (self.images is None):
+            raise ValueError("EpisodeStream: images must be given for every episode or for none")
+        start, n = len(self.prompts), len(prompts)
+        self.prompts += [list(p) for p in prompts]
+        self.seeds += [int(s) for s in seeds]
+        if images is not None:
+            self.images += list(images)
+        self.episodes += [Trajectory(list(p)) for p in prompts]
+        self.cut += [False] * n
+        self._turns += [0] * n
+        self._breaks += [0] * n
+        self._pieces += [[] for _ in range(n)]
+        return range(start, start + n)
+
+    @property
+    def in_flight(self) -> int:
+        """Episodes started and not ended."""
+        return self._started - len(self.finished)
+
+    def __enter__(self) -> EpisodeStream:
+        self._exit = ExitStack()
+        self._stream = self._exit.enter_context(RequestStream(self.ctx.engines.draft))
+        self._tools = self._exit.enter_context(ToolRuns(self.runtime, self.call_tools))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._exit.__exit__(*exc)
+
+    def run(self) -> tuple[list[Trajectory], list[bool]]:
+        """The constructor's episodes run to their ends, and whether each ended cut (`follow`)."""
+        with self:
+            self.admit(range(len(self.prompts)))
+            self.advance()
+        return self.episodes, self.cut
+
+    def admit(self, episodes: Iterable[int]) -> None:
+        """Start episodes: their first turns join the engine's next step."""
+        episodes = list(episodes)
+        self._started += len(episodes)
+        self._submit(episodes)
+
+    def advance(
+        self, until: Callable[[], bool] | None = None, waiting: list[int] | None = None,
+        cap: int = 0,
+    ) -> None:  # fmt: skip
+        """Step the engine and take the tools' returns until `until()` holds after a step (None:
+        until no turn runs and no call is out). After each step, episodes of `waiting` (popped
+        from its front) are admitted while fewer than `cap` are in flight."""
+        stream, tools = self._stream, self._tools
+        while stream.busy or tools.waiting or (waiting and self.in_flight < cap):
+            for output in sorted(stream.step() if stream.busy else [],
+                                 key=lambda o: self._owner[o.request_id]):  # fmt: skip
+                self._turn_ended(self._owner.pop(output.request_id), output)
+            admits = bool(waiting) and self.in_flight < cap
+            returned = tools.returned(wait_for_one=not stream.busy and not admits)
+            self._submit([i for i, turn, results in returned if self._follow(i, turn, results)])
+            while waiting and self.in_flight < cap:
+                self.admit([waiting.pop(0)])
+            if until is not None and until():
+                return
+
+    def interrupt(self) -> int:
+        """Abort the turns running on the engine (call between steps), keeping each one's tokens
+        and log-probs so far; their calls and the episodes waiting on tools are untouched.
+        Returns how many turns were interrupted."""
+        outputs = self._stream.interrupt()
+        for output in outputs:
+            i = self._owner.pop(output.request_id)
+            ids, log_probs = sampled_log_probs(output.outputs[0])
+            if ids:
+                self._pieces[i].append((list(ids), list(log_probs), self.version))
+            self._breaks[i] += 1
+            self._paused.append(i)
+        self.interrupted += len(outputs)
+        return len(outputs)
+
+    def resume(self, version: int) -> None:
+        """Submit the interrupted turns again, under the engine's weights, now `version`."""
+        self.version = version
+        paused, self._paused = sorted(self._paused), []
+        self._submit(paused)
+
+    def _submit(self, episodes: Iterable[int]) -> None:
+        """Each episode's next turn, or its interrupted turn's next piece, as a request."""
+        prompts, params, mine = [], [], []
+        for i in episodes:
+            if not self._breaks[i]:
+                self._turns[i] += 1
+                self.submitted.append((i, self._turns[i]))
+            so_far = [t for ids, _, _ in self._pieces[i] for t in ids]
+            seed = piece_seed(self.seeds[i], self._turns[i], self._breaks[i])
+            budget = self.limit - len(self.episodes[i].response_ids) - len(so_far)
+            params.append(turn_params(self.ctx, self.runtime, seed, budget))
+            opening = self.images[i] if self.images else None
+            prompts.append(engine_request(self.episodes[i].context_ids() + so_far, opening))
+            mine.append(i)
+        if prompts:
+            self._owner.update(zip(self._stream.add(prompts, params), mine, strict=True))
+
+    def _turn_ended(self, i: int, output) -> None:
+        """Record episode i's finished turn (its pieces joined); start its calls, or end it."""
+        turn = draft_turn(output.outputs[0], self.runtime)
+        pieces = [*self._pieces[i], (turn.ids, turn.slots["rollout_log_probs"], self.version)]
+        self._pieces[i], self._breaks[i] = [], 0
+        if len(pieces) > 1:
+            turn = self._joined(pieces, turn.reason)
+        if self.versioned:
+            versions = [version for ids, _, version in pieces for _ in ids]
+            turn.slots[VERSION_SLOT] = versions[: len(turn.ids)]
+        self.episodes[i].add_turn(turn.ids, **turn.slots)
+        read = self.runtime.read(turn.text, turn.reason, self._turns[i])
+        if read.answered:
+            self._tools.start(i, read)
+        else:
+            self._follow(i, read, [])
+
+    def _joined(self, pieces: list[tuple[list[int], list[float], int]], reason: str) -> Turn:
+        """The pieces of an interrupted turn as one turn that ended for `reason` (its last
+        piece's); where stop strings are matched in text, one may span two pieces, so the turn is
+        cut where the engine would have stopped it uninterrupted (`runtime.turn_end`)."""
+        ids = [t for piece_ids, _, _ in pieces for t in piece_ids]
+        log_probs = [x for _, piece_lps, _ in pieces for x in piece_lps]
+        if self.runtime.stop_token_ids is None and self.runtime.stop_strings:
+            end = self.runtime.turn_end(ids)
+            if end is not None and end < len(ids):
+                ids, log_probs, reason = ids[:end], log_probs[:end], "tool_call"
+        return Turn(ids, self.runtime.turn_text(ids), reason, {"rollout_log_probs": log_probs})
+
+    def run_batches(
+        self, batches: Iterable[tuple[list[list[int]], Iterable[int]]],
+        sync: Callable[[], int] | None = None,
+    ) -> list[range]:  # fmt: skip
+        """Batches of episodes ((prompts, seeds) each) through the pool in order, each batch's
+        drained tail filled with the next batch's episodes (admitted as the batch's own end, so
+        that at most one batch's worth is in flight), and, between two batches, a weight sync:
+        the turns on the engine interrupted, `sync()` (the caller reloads the weights and returns
+        their version), the turns resumed. Returns each batch's episode indices."""
+        groups = [self.add(prompts, seeds) for prompts, seeds in batches]
+        with self:
+            for b, group in enumerate(groups):
+                self.admit(range(self._started, group.stop))
+                ahead = list(groups[b + 1]) if b + 1 < len(groups) else []
+                self.advance(until=self._ends(group), waiting=ahead, cap=len(group))
+                if sync is not None and b + 1 < len(groups):
+                    self.interrupt()
+                    self.resume(sync())
+        return groups
+
+    def _ends(self, group: range) -> Callable[[], bool]:
+        """A check that every episode of `group` has ended (reading `finished` once)."""
+        seen, left = 0, len(group)
+
+        def ended() -> bool:
+            nonlocal seen, left
+            left -= sum(i in group for i in self.finished[seen:])
+            seen = len(self.finished)
+            return left == 0
+
+        return ended
