@@ -65,6 +65,9 @@ LAM = 0.5
 VARIANTS = ("multi_draft", "multi_barrier", "single_draft", "multi_guided", "single_guided")
 """The rollouts timed; `multi_barrier` runs on `multi_draft`'s engine."""
 DRAFT_ONLY = VARIANTS[:3]
+STREAMED = ("multi_stream", "multi_pool")
+"""`--stream K`: K batches a call through one pool (`StreamedRollout`) on `multi_draft`'s
+engine, with a weight sync between batches (partial rollout) and without (the tail filled only)."""
 
 
 def rollout_config(
@@ -147,6 +150,50 @@ class StreamCounter:
         RequestStream.step = self._step
 
 
+class StreamedRollout:
+    """Multi-turn draft-only episodes in the steady state of a partial rollout: each call runs
+    `batches` batches of the call's episodes (its prompts x n, seeded anew per call) through one
+    `EpisodeStream` pool, the drained tail of each batch filled with the next batch's episodes,
+    and between batches a weight sync (the turns on the engine interrupted, the same weights
+    reloaded from `state`, the turns resumed under new seeds; no sync when `state` is None). Counts engine steps and interrupted
+    turns; returns the policy tokens' mask."""
+
+    def __init__(self, rollout: VLLMRollout, state: dict | None, batches: int, n: int) -> None:
+        self.rollout, self.state, self.batches, self.n = rollout, state, batches, n
+        self.engines = rollout.engines
+        self.calls = self.interrupted = self.steps = 0
+        self.counter: StreamCounter | None = None
+
+    def generate_sequences(self, batch: DataProto) -> DataProto:
+        from verl.workers.rollout.episode_stream import EpisodeStream
+        from verl.workers.rollout.multi_turn.trajectory import POLICY
+
+        rollout = self.rollout
+        rollout.wake_up()
+        ctx = rollout.call_context(batch.meta_info)
+        keep = batch.batch["attention_mask"].bool()
+        prompts = [
+            ids[k].tolist() for ids, k in zip(batch.batch["input_ids"], keep) for _ in range(self.n)
+        ]
+        base = 10**6 * (self.calls * self.batches + 1)
+        self.calls += 1
+        pool = EpisodeStream(ctx, ctx.multi_turn, [], [], ctx.max_tokens)
+
+        def sync() -> int:
+            rollout.sync_weights(self.state)
+            return pool.version + 1
+
+        before = self.counter.steps if self.counter else 0
+        pool.run_batches([(prompts, range(base + 10**6 * b, base + 10**6 * b + len(prompts)))
+                          for b in range(self.batches)], sync if self.state else None)  # fmt: skip
+        self.interrupted += pool.interrupted
+        self.steps += (self.counter.steps if self.counter else 0) - before
+        mask = torch.tensor(
+            [[sum(len(s.ids) for s in e.segments if s.kind == POLICY)] for e in pool.episodes]
+        )
+        return DataProto.from_dict({"response_mask": mask})
+
+
 def timed(engine: VLLMRollout, batch: DataProto) -> tuple[float, DataProto]:
     if engine.engines.guidance is None:
         torch._C.set_num_threads(DEFAULT_THREADS)
@@ -202,15 +249,18 @@ def main() -> None:
     parser.add_argument("--kv-block-size", type=int, default=None,
                         help="rollout.kv_block_size (default: the engine's; vLLM's CPU build uses 128)")  # fmt: skip
     parser.add_argument("--draft-only", action="store_true", help="the draft-only rollouts alone")
+    parser.add_argument("--stream", type=int, default=4,
+                        help="batches per call of the streamed multi-turn rollout (a pool with partial rollout; 0: not run)")  # fmt: skip
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
     draft, guide = model_paths(args.draft_only)
     tok = AutoTokenizer.from_pretrained(draft)
-    variants = DRAFT_ONLY if args.draft_only else VARIANTS
+    variants = (DRAFT_ONLY if args.draft_only else VARIANTS) + (STREAMED if args.stream else ())
     multi, single = prompt_batch(tok, args.prompts, False), prompt_batch(tok, args.prompts, True)
     batches = {name: single if name.startswith("single") else multi for name in VARIANTS}
     batches["multi_barrier"] = prompt_batch(tok, args.prompts, False, barrier=True)
+    batches.update(dict.fromkeys(STREAMED, multi))
 
     def rollout(length: int, multi_turn: bool, guidance: str | None) -> VLLMRollout:
         cfg = rollout_config(args.n, length, multi_turn, guidance, args.kv_block_size)
@@ -225,18 +275,30 @@ def main() -> None:
         print(f"multi-turn draft-only warm-up: {policy_tokens(warm) / len(warm):.1f} policy tokens per episode; "
               f"single-turn responses of L = {length}")  # fmt: skip
         engines["single_draft"] = rollout(length, False, None)
+        if args.stream:
+            from transformers import AutoModelForCausalLM
+
+            state = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).state_dict()
+            for name, synced in zip(STREAMED, (state, None), strict=True):
+                engines[name] = StreamedRollout(engines["multi_draft"], synced, args.stream, args.n)
         if not args.draft_only:
             engines["multi_guided"] = rollout(T.TOOLCHAIN_RESPONSE_LENGTH, True, guide)
             engines["single_guided"] = rollout(length, False, guide)
         for name in variants[1:]:  # warm-up
             timed(engines[name], batches[name])
         with StreamCounter() as stream:
+            streamed = [engines[name] for name in STREAMED if name in engines]
+            for pool in streamed:
+                pool.counter, pool.steps, pool.interrupted = stream, 0, 0
             results = run_repeats(args.repeats, variants, engines, batches, counter)
     finally:
-        for engine in {id(e): e for e in engines.values()}.values():
+        for engine in {id(e): e for e in engines.values() if isinstance(e, VLLMRollout)}.values():
             engine.shutdown()
     report(args, variants, *results, length)
-    per_call = stream.steps / args.repeats
+    for name, pool in zip(STREAMED, streamed):
+        print(f"{name}: {args.stream} batches a call, {pool.steps / args.repeats / args.stream:.1f} engine steps a "
+              f"batch, {pool.interrupted / args.repeats / max(args.stream - 1, 1):.1f} turns interrupted a sync")  # fmt: skip
+    per_call = (stream.steps - sum(pool.steps for pool in streamed)) / args.repeats
     prompt, computed = (sum(c) / max(len(stream.requests), 1) for c in zip(*stream.requests))
     print(f"episodes on their own: {per_call:.1f} engine steps per call (single-turn: {length} tokens per response), "
           f"per request {prompt:.1f} prompt tokens / {computed:.1f} computed")  # fmt: skip
@@ -280,7 +342,10 @@ RATIOS = (("multi-turn / single-turn, draft only", "multi_draft", "single_draft"
           ("episodes on their own / turn barrier, draft only", "multi_draft", "multi_barrier"),
           ("guided / draft-only, multi-turn", "multi_guided", "multi_draft"),
           ("guided / draft-only, single-turn", "single_guided", "single_draft"),
-          ("multi-turn / single-turn, guided", "multi_guided", "single_guided"))  # fmt: skip
+          ("multi-turn / single-turn, guided", "multi_guided", "single_guided"),
+          ("multi-turn streamed with syncs / single-turn, draft only", "multi_stream", "single_draft"),
+          ("streamed with syncs / one batch a call, multi-turn draft only", "multi_stream", "multi_draft"),
+          ("streamed without syncs / one batch a call, multi-turn draft only", "multi_pool", "multi_draft"))  # fmt: skip
 
 
 def report(args, variants, seconds, tokens, per_emitted, turns, episodes, agree, length) -> None:

@@ -184,7 +184,9 @@ def test_the_token_after_an_interruption_follows_the_new_weights(versions):
     successor = {c: d for c, d in zip("[sq:7", "sq:7]", strict=True)}
     n = 480
     prompts = [tok("a ")["input_ids"]] * n
-    stream = resumed_across_a_sync(versions, prompts, range(7, 7 + 1000 * n, 1000), limit=4, steps=1)
+    stream = resumed_across_a_sync(
+        versions, prompts, range(7, 7 + 1000 * n, 1000), limit=4, steps=1
+    )
     counts = torch.zeros(3)
     for episode in stream.episodes:
         turn = episode.segments[0]
@@ -202,7 +204,9 @@ def test_the_token_after_an_interruption_follows_the_new_weights(versions):
     p = successor_prob(WEIGHTS[1])
     other = (1 - p) / 99
     assert counts.sum() >= 0.9 * n  # the prefill step sampled nearly all first tokens
-    assert chi2_counts_pvalue(counts, torch.tensor([p, other, 98 * other], dtype=torch.float64)) > 1e-3
+    assert (
+        chi2_counts_pvalue(counts, torch.tensor([p, other, 98 * other], dtype=torch.float64)) > 1e-3
+    )
 
 
 def test_a_pool_fills_one_batch_tail_with_the_next_batch(versions):

@@ -57,7 +57,6 @@ class Turn:
     """The speculative generation behind it (guided turns)."""
 
 
-
 def finish_reason(completion, stop_ids: tuple[int, ...] = ()) -> str:
     """The runtime's finish reason of a vLLM completion: `tool_call` when it stopped at a stop
     string or at one of `stop_ids` (`MultiTurnRuntime.stop_token_ids`), `length` at the token
@@ -90,7 +89,6 @@ def draft_turn(completion, runtime: MultiTurnRuntime) -> Turn:
     return Turn(ids, text, reason, {"rollout_log_probs": log_probs})
 
 
-
 def follow(episode: Trajectory, outcome: TurnOutcome, reason: str, limit: int) -> tuple[bool, bool]:
     """Append `outcome` (of a turn that ended for `reason`) to `episode`: (whether it goes on to
     another turn, whether it ended cut: at `max_turns` with calls left unanswered, at the
@@ -101,7 +99,6 @@ def follow(episode: Trajectory, outcome: TurnOutcome, reason: str, limit: int) -
     if outcome.continues:
         return (True, False) if len(episode.response_ids) < limit else (False, True)
     return False, reason == "length"
-
 
 
 class ToolRuns:
@@ -163,7 +160,6 @@ class Outcomes:
         if not goes_on:
             self.finished.append(i)
         return goes_on
-
 
 
 def piece_seed(seed: int, turn: int, piece: int) -> int:
@@ -232,7 +228,9 @@ class EpisodeStream(Outcomes):
         self._exit: ExitStack | None = None
         self.add(*first)
 
-    def add(self, prompts: list[list[int]], seeds: Iterable[int], images: list | None = None) -> range:
+    def add(
+        self, prompts: list[list[int]], seeds: Iterable[int], images: list | None = None
+    ) -> range:
         """New episodes, not started yet (`admit`); their indices."""
         if (images is None) != (self.images is None):
             raise ValueError("EpisodeStream: images must be given for every episode or for none")

@@ -69,7 +69,7 @@ from verl.workers.rollout.multi_turn import (
     ToolResult,
     Trajectory,
     pack,
-    retokenized_tokens,
+    retokenized_counts,
 )
 from verl.workers.rollout.packing import guidance_part
 from verl.workers.rollout.speculative import GuidedSequence, RoundStats, SpeculativeBatch
@@ -287,13 +287,14 @@ class GuidedEpisodes(Outcomes):
 
 def _packed(ctx: RolloutContext, episodes: list[Trajectory], cut: list[bool]) -> dict:
     """`pack`, with the turn loop's cuts in `truncated` and each episode's `retokenized` count
-    (`retokenized_tokens` of its kept response: a diagnostic)."""
+    (`retokenized_counts` of its kept response: a diagnostic)."""
     width = ctx.config.response_length
     packed = pack(episodes, width, ctx.pad_token_id)
     packed["truncated"] = packed["truncated"] | torch.tensor(cut, dtype=torch.bool)
     tokenizer = ctx.multi_turn.tokenizer
-    packed["retokenized"] = torch.tensor([retokenized_tokens(tokenizer, e, width) for e in episodes],
-                                         dtype=torch.long)  # fmt: skip
+    packed["retokenized"] = torch.tensor(
+        retokenized_counts(tokenizer, episodes, width), dtype=torch.long
+    )
     return packed
 
 

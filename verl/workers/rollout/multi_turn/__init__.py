@@ -82,7 +82,13 @@ from verl.workers.rollout.multi_turn.tools import (
     load_tools,
     run_tool_calls,
 )
-from verl.workers.rollout.multi_turn.trajectory import Segment, Trajectory, pack, retokenized_tokens
+from verl.workers.rollout.multi_turn.trajectory import (
+    Segment,
+    Trajectory,
+    pack,
+    retokenized_counts,
+    retokenized_tokens,
+)
 
 __all__ = [
     "TOOLS",
@@ -102,6 +108,7 @@ __all__ = [
     "load_tools",
     "pack",
     "retokenization_mismatch",
+    "retokenized_counts",
     "retokenized_tokens",
     "run_tool_calls",
     "tool_delta_ids",

@@ -95,16 +95,32 @@ def retokenized_tokens(tokenizer, trajectory: Trajectory, limit: int | None = No
     `tokenizer(decode(prompt + response))`. An agent loop that keeps the
     conversation as text and re-tokenizes it trains on those changed tokens instead of the
     sampled ones (a sampled "1","2" re-encoded as "12", a tool result merged with what follows).
-    Training never uses the re-encoded ids."""
+    Training never uses the re-encoded ids. One episode of `retokenized_counts`."""
+    return retokenized_counts(tokenizer, [trajectory], limit)[0]
+
+
+def retokenized_counts(
+    tokenizer, trajectories: Sequence[Trajectory], limit: int | None = None
+) -> list[int]:
+    """`retokenized_tokens` of each episode, decoded and encoded as one batch (the matching
+    blocks are only searched where the round trip changed something)."""
     from difflib import SequenceMatcher
 
-    sequence = [*trajectory.prompt_ids, *trajectory.response_ids[:limit]]
-    text = tokenizer.decode(sequence, skip_special_tokens=False)
-    again = tokenizer(text, add_special_tokens=False)["input_ids"]
-    n = len(trajectory.prompt_ids)
-    blocks = SequenceMatcher(None, sequence, again, autojunk=False).get_matching_blocks()
-    kept = sum(max(0, a + size - max(a, n)) for a, _, size in blocks)  # matched response tokens
-    return len(sequence) - n - kept
+    sequences = [[*t.prompt_ids, *t.response_ids[:limit]] for t in trajectories]
+    if not sequences:
+        return []
+    texts = tokenizer.batch_decode(sequences, skip_special_tokens=False)
+    counts = []
+    for t, sequence, again in zip(trajectories, sequences,
+                                  tokenizer(texts, add_special_tokens=False)["input_ids"], strict=True):  # fmt: skip
+        if again == sequence:
+            counts.append(0)
+            continue
+        n = len(t.prompt_ids)
+        blocks = SequenceMatcher(None, sequence, again, autojunk=False).get_matching_blocks()
+        kept = sum(max(0, a + size - max(a, n)) for a, _, size in blocks)  # matched response tokens
+        counts.append(len(sequence) - n - kept)
+    return counts
 
 
 def _slot_names(trajectories: Sequence[Trajectory]) -> list[str]:
@@ -120,11 +136,9 @@ def _slot_names(trajectories: Sequence[Trajectory]) -> list[str]:
     return names
 
 
-def _row(trajectory: Trajectory, names: list[str]) -> dict[str, torch.Tensor]:
-    """One trajectory's per-token tensors, unpadded and uncut: ids, policy, tool, turn, slots."""
-    parts: dict[str, list[torch.Tensor]] = {
-        k: [] for k in ("ids", "policy", "tool", "turn", *names)
-    }
+def _row(trajectory: Trajectory, names: list[str]) -> dict[str, list]:
+    """One trajectory's per-token values, unpadded and uncut: ids, policy (bool), turn, slots."""
+    row: dict[str, list] = {k: [] for k in ("ids", "policy", "turn", *names)}
     turn = -1
     for segment in trajectory.segments:
         if segment.kind not in SEGMENT_KINDS:
@@ -135,16 +149,12 @@ def _row(trajectory: Trajectory, names: list[str]) -> dict[str, torch.Tensor]:
         turn += policy
         if turn < 0:
             raise ValueError("a trajectory's first segment must be a policy turn")
-        parts["ids"].append(torch.tensor(segment.ids, dtype=torch.long).reshape(n))
-        parts["policy"].append(torch.full((n,), float(policy)))
-        parts["tool"].append(torch.full((n,), float(not policy)))
-        parts["turn"].append(torch.full((n,), turn, dtype=torch.long))
+        row["ids"] += segment.ids
+        row["policy"] += [policy] * n
+        row["turn"] += [turn] * n
         for name in names:
-            values = segment.slots[name] if policy else [0.0] * n
-            parts[name].append(torch.tensor(values, dtype=torch.float64).reshape(n))
-    empty = {"ids": torch.long, "turn": torch.long, **dict.fromkeys(names, torch.float64)}
-    return {k: torch.cat(v) if v else torch.zeros(0, dtype=empty.get(k, torch.float32))
-            for k, v in parts.items()}  # fmt: skip
+            row[name] += segment.slots[name] if policy else [0.0] * n
+    return row
 
 
 def pack(
@@ -164,28 +174,25 @@ def pack(
     """
     names = _slot_names(trajectories)
     b, t = len(trajectories), response_length
+    rows = [_row(trajectory, names) for trajectory in trajectories]
+
+    def padded(key: str, fill, dtype: torch.dtype) -> torch.Tensor:
+        values = [row[key][:t] + [fill] * (t - min(len(row[key]), t)) for row in rows]
+        return torch.tensor(values, dtype=dtype).reshape(b, t)
+
+    lengths = torch.tensor([len(row["ids"]) for row in rows], dtype=torch.long)
+    kept = torch.arange(t) < lengths.clamp(max=t)[:, None]
+    policy = padded("policy", False, torch.bool)
     out = {
-        "responses": torch.full((b, t), pad_id, dtype=torch.long),
-        "response_mask": torch.zeros(b, t),
-        "tool_mask": torch.zeros(b, t),
-        "response_attention_mask": torch.zeros(b, t, dtype=torch.long),
-        "turn_index": torch.full((b, t), -1, dtype=torch.long),
-        **{name: torch.zeros(b, t, dtype=torch.float64) for name in names},
-        "truncated": torch.zeros(b, dtype=torch.bool),
-        "response_length": torch.zeros(b, dtype=torch.long),
+        "responses": padded("ids", pad_id, torch.long),
+        "response_mask": policy.float(),
+        "tool_mask": (kept & ~policy).float(),
+        "response_attention_mask": kept.long(),
+        "turn_index": padded("turn", -1, torch.long),
+        **{name: padded(name, 0.0, torch.float64) for name in names},
+        "truncated": lengths > t,
+        "response_length": lengths.clamp(max=t),
     }
-    for i, trajectory in enumerate(trajectories):
-        row = _row(trajectory, names)
-        n = min(len(row["ids"]), t)
-        out["responses"][i, :n] = row["ids"][:n]
-        out["response_mask"][i, :n] = row["policy"][:n]
-        out["tool_mask"][i, :n] = row["tool"][:n]
-        out["response_attention_mask"][i, :n] = 1
-        out["turn_index"][i, :n] = row["turn"][:n]
-        for name in names:
-            out[name][i, :n] = row[name][:n]
-        out["truncated"][i] = len(row["ids"]) > t
-        out["response_length"][i] = n
     counts = {"num_turns": "num_turns", "num_tool_calls": "num_tool_calls",
               "num_tool_errors": "num_tool_errors",
               "num_tool_truncated": "tool_truncated"}  # fmt: skip
