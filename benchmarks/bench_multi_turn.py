@@ -4,33 +4,37 @@ The task's tiny pair (the supervised student, ~15 % of whole episodes right, and
 ~95 %; built once under .cache/embedded/toolchain by `python -m verl.tasks.embedded --task
 toolchain`) samples `--prompts` training prompts x `--n` episodes with the `lookup` tool (the
 embedded format, at most 4 turns, 51 response tokens, tool tokens included), the recipe of
-examples/toolchain_guided.yaml. Five rollouts, timed in alternating turns (medians of --repeats):
+examples/toolchain_guided.yaml. Seven rollouts, timed in alternating turns (medians of --repeats):
 
-1. multi-turn, draft only, episodes on their own (`EpisodeStream`): a turn is one request whose
-   prompt is the whole episode so far, submitted as soon as the episode's tool calls returned,
-   while the engine keeps stepping the others; vLLM's prefix cache serves the part an earlier
-   turn computed;
+1. multi-turn, draft only, episodes on their own (`EpisodeStream`): each episode keeps a draft
+   session from turn to turn, whose next chunk (the tool delta, then the turn) joins the engine as
+   soon as the episode's tool calls returned, while the engine keeps stepping the others; a turn
+   computes only what came since the last one;
 2. the same episodes turn by turn (meta_info `multi_turn_barrier`): one engine call per turn over
    every active episode, then all their calls (the same tokens for the same seeds);
 3. single-turn, draft only, the same prompts, every response exactly L policy tokens
    (`ignore_eos`), L = the mean policy tokens of an episode of (1) in a warm-up call;
 4. multi-turn with speculative guidance (λ = 0.5, the defaults' K and target): every turn guided,
    each episode keeping its sessions on both engines across turns;
-5. single-turn with the same guidance and the same L.
+5. single-turn with the same guidance and the same L;
+6. `--stream K` batches a call of (1)'s episodes through one pool, each batch's drained tail
+   filled with the next batch's episodes, and a weight sync between batches: the turns on the
+   engine interrupted, the same weights reloaded, the turns resumed (partial rollout);
+7. the same pool without the syncs (the tail filled only).
 
 Reported: seconds per policy token of (1) and of (2) over (3) (what the turn loop costs beyond
 its tokens), (1) over (2), whether (1) and (2) gave the same episodes, the guided / draft-only
 ratio in multi-turn and in single-turn (per policy token, since guided episodes end elsewhere),
-and, from the engines' own counts: per turn of (2) the tokens of the request's prompt and those
-vLLM computed (prompt minus `num_cached_tokens`), and in (4) and (5) the guidance tokens computed
-per emitted policy token. Guided, the guidance engine runs in its own process and this one keeps
+(6) and (7) over (1) and over (3), and, from the engines' own counts: the draft's engine steps and
+the tokens it computed (vLLM's scheduled tokens) per call of (1), (2), (6) and (7), and in (4) and
+(5) the guidance tokens computed per emitted policy token. Guided, the guidance engine runs in its own process and this one keeps
 the draft with its share of the cores, as in bench_guided_rollout.py; draft-only is timed with
 torch's default threads. `--draft-only` runs (1) to (3) alone (the guidance model is not needed).
 
 Usage:
     python benchmarks/bench_multi_turn.py                  # 32 prompts x 4 episodes, 7 repeats
     python benchmarks/bench_multi_turn.py --prompts 16 --repeats 3
-    python benchmarks/bench_multi_turn.py --kv-block-size 32  # prefix-cache hits on short turns
+    python benchmarks/bench_multi_turn.py --stream 0       # without (6) and (7)
     python benchmarks/bench_multi_turn.py --draft-only --prompts 16 --repeats 3
 """
 
@@ -60,6 +64,7 @@ from verl.workers.rollout.engine_lifecycle import split_cpu_threads  # noqa: E40
 from verl.workers.rollout.multi_turn_mode import TURN_BARRIER_KEY  # noqa: E402
 from verl.workers.rollout.vllm_engine import RequestStream  # noqa: E402
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout  # noqa: E402
+from verl.workers.rollout.vllm_sessions import SessionEngine  # noqa: E402
 
 LAM = 0.5
 VARIANTS = ("multi_draft", "multi_barrier", "single_draft", "multi_guided", "single_guided")
@@ -71,12 +76,11 @@ engine, with a weight sync between batches (partial rollout) and without (the ta
 
 
 def rollout_config(
-    n: int, response_length: int, multi_turn: bool, guidance: str | None, block: int | None = None
+    n: int, response_length: int, multi_turn: bool, guidance: str | None
 ) -> RolloutConfig:
     """The toolchain recipe's rollout (examples/toolchain_guided.yaml) on the tiny engines."""
     cfg = RolloutConfig(n=n, temperature=1.0, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.03,
                         prompt_length=T.TOOLCHAIN_PROMPT_LENGTH, response_length=response_length, seed=0)  # fmt: skip
-    cfg.kv_block_size = block
     mt = cfg.multi_turn
     mt.enable, mt.tools, mt.tool_call_format = (
         multi_turn,
@@ -107,47 +111,29 @@ def prompt_batch(tok, count: int, single_turn: bool, barrier: bool = False) -> D
     return DataProto.from_dict({"input_ids": input_ids, "attention_mask": mask}, meta_info=meta)
 
 
-class PrefillCounter:
-    """Per draft-engine `generate` call (a turn of the turn-barrier loop): every request's prompt
-    tokens and those the engine computed (prompt minus vLLM's `num_cached_tokens`). A wrapper on
-    the engine object; the engine itself is unchanged."""
-
-    def __init__(self, engine) -> None:
-        self.calls: list[list[tuple[int, int]]] = []
-        self._generate = engine.generate
-        engine.generate = self
-
-    def __call__(self, requests, *args, **kwargs):
-        outputs = self._generate(requests, *args, **kwargs)
-        self.calls.append([(len(o.prompt_token_ids), len(o.prompt_token_ids) - (o.num_cached_tokens or 0))
-                           for o in outputs])  # fmt: skip
-        return outputs
-
-
-class StreamCounter:
-    """The episodes-on-their-own loop's engine steps (`RequestStream.step` calls) and every
-    finished request's prompt tokens and those the engine computed (prompt minus
-    `num_cached_tokens`). A wrapper on the class's method while it is installed (`with`); the
-    engine is unchanged."""
+class StepCounter:
+    """Engine steps of the loops that step the draft themselves (`RequestStream.step`,
+    `SessionEngine.step`), counted while installed (`with`); the engines are unchanged."""
 
     def __init__(self) -> None:
-        self.steps, self.requests = 0, []
+        self.steps = 0
+        self._saved = []
 
-    def __enter__(self) -> StreamCounter:
-        self._step = original = RequestStream.step
+    def __enter__(self) -> StepCounter:
+        for cls in (RequestStream, SessionEngine):
+            original = cls.step
 
-        def step(stream):
-            outputs = original(stream)
-            self.steps += 1
-            self.requests += [(len(o.prompt_token_ids), len(o.prompt_token_ids) - (o.num_cached_tokens or 0))
-                              for o in outputs]  # fmt: skip
-            return outputs
+            def step(engine, _original=original):
+                self.steps += 1
+                return _original(engine)
 
-        RequestStream.step = step
+            self._saved.append((cls, original))
+            cls.step = step
         return self
 
     def __exit__(self, *exc) -> None:
-        RequestStream.step = self._step
+        for cls, original in self._saved:
+            cls.step = original
 
 
 class StreamedRollout:
@@ -155,14 +141,14 @@ class StreamedRollout:
     `batches` batches of the call's episodes (its prompts x n, seeded anew per call) through one
     `EpisodeStream` pool, the drained tail of each batch filled with the next batch's episodes,
     and between batches a weight sync (the turns on the engine interrupted, the same weights
-    reloaded from `state`, the turns resumed under new seeds; no sync when `state` is None). Counts engine steps and interrupted
-    turns; returns the policy tokens' mask."""
+    reloaded from `state`, the turns resumed under new seeds; no sync when `state` is None), each
+    episode in a draft session as in `multi_draft`. Counts interrupted turns; returns the policy
+    tokens' mask."""
 
     def __init__(self, rollout: VLLMRollout, state: dict | None, batches: int, n: int) -> None:
         self.rollout, self.state, self.batches, self.n = rollout, state, batches, n
         self.engines = rollout.engines
-        self.calls = self.interrupted = self.steps = 0
-        self.counter: StreamCounter | None = None
+        self.calls = self.interrupted = 0
 
     def generate_sequences(self, batch: DataProto) -> DataProto:
         from verl.workers.rollout.episode_stream import EpisodeStream
@@ -177,17 +163,17 @@ class StreamedRollout:
         ]
         base = 10**6 * (self.calls * self.batches + 1)
         self.calls += 1
-        pool = EpisodeStream(ctx, ctx.multi_turn, [], [], ctx.max_tokens)
+        pool = EpisodeStream(
+            ctx, ctx.multi_turn, [], [], ctx.max_tokens, sessions=ctx.draft_sessions
+        )
 
         def sync() -> int:
             rollout.sync_weights(self.state)
             return pool.version + 1
 
-        before = self.counter.steps if self.counter else 0
         pool.run_batches([(prompts, range(base + 10**6 * b, base + 10**6 * b + len(prompts)))
                           for b in range(self.batches)], sync if self.state else None)  # fmt: skip
         self.interrupted += pool.interrupted
-        self.steps += (self.counter.steps if self.counter else 0) - before
         mask = torch.tensor(
             [[sum(len(s.ids) for s in e.segments if s.kind == POLICY)] for e in pool.episodes]
         )
@@ -246,8 +232,6 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32, help="training prompts per call")
     parser.add_argument("--n", type=int, default=4, help="episodes per prompt")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--kv-block-size", type=int, default=None,
-                        help="rollout.kv_block_size (default: the engine's; vLLM's CPU build uses 128)")  # fmt: skip
     parser.add_argument("--draft-only", action="store_true", help="the draft-only rollouts alone")
     parser.add_argument("--stream", type=int, default=4,
                         help="batches per call of the streamed multi-turn rollout (a pool with partial rollout; 0: not run)")  # fmt: skip
@@ -263,12 +247,11 @@ def main() -> None:
     batches.update(dict.fromkeys(STREAMED, multi))
 
     def rollout(length: int, multi_turn: bool, guidance: str | None) -> VLLMRollout:
-        cfg = rollout_config(args.n, length, multi_turn, guidance, args.kv_block_size)
+        cfg = rollout_config(args.n, length, multi_turn, guidance)
         return VLLMRollout(draft, cfg, tok.eos_token_id, tok.pad_token_id)
 
     engines = {"multi_draft": rollout(T.TOOLCHAIN_RESPONSE_LENGTH, True, None)}
     engines["multi_barrier"] = engines["multi_draft"]
-    counter = PrefillCounter(engines["multi_draft"].engines.draft)
     try:
         _, warm = timed(engines["multi_draft"], multi)
         length = round(policy_tokens(warm) / len(warm))
@@ -286,52 +269,50 @@ def main() -> None:
             engines["single_guided"] = rollout(length, False, guide)
         for name in variants[1:]:  # warm-up
             timed(engines[name], batches[name])
-        with StreamCounter() as stream:
-            streamed = [engines[name] for name in STREAMED if name in engines]
-            for pool in streamed:
-                pool.counter, pool.steps, pool.interrupted = stream, 0, 0
-            results = run_repeats(args.repeats, variants, engines, batches, counter)
+        streamed = {name: engines[name] for name in STREAMED if name in engines}
+        for pool in streamed.values():
+            pool.interrupted = 0
+        results = run_repeats(args.repeats, variants, engines, batches)
     finally:
         for engine in {id(e): e for e in engines.values() if isinstance(e, VLLMRollout)}.values():
             engine.shutdown()
     report(args, variants, *results, length)
-    for name, pool in zip(STREAMED, streamed):
-        print(f"{name}: {args.stream} batches a call, {pool.steps / args.repeats / args.stream:.1f} engine steps a "
-              f"batch, {pool.interrupted / args.repeats / max(args.stream - 1, 1):.1f} turns interrupted a sync")  # fmt: skip
-    per_call = (stream.steps - sum(pool.steps for pool in streamed)) / args.repeats
-    prompt, computed = (sum(c) / max(len(stream.requests), 1) for c in zip(*stream.requests))
-    print(f"episodes on their own: {per_call:.1f} engine steps per call (single-turn: {length} tokens per response), "
-          f"per request {prompt:.1f} prompt tokens / {computed:.1f} computed")  # fmt: skip
+    for name, pool in streamed.items():
+        syncs = args.repeats * max(args.stream - 1, 1)
+        print(
+            f"{name}: {args.stream} batches a call, {pool.interrupted / syncs:.1f} turns interrupted a sync"
+        )
 
 
-def run_repeats(repeats: int, variants, engines, batches, counter: PrefillCounter) -> tuple:
-    """Time every variant `repeats` times in alternating order: seconds, policy tokens and
-    guidance tokens per emitted token per variant, per turn of the barrier loop (requests,
-    prompt and computed tokens), turns per episode, and whether the two multi-turn loops agreed
-    (same tokens, largest log-prob gap)."""
+def run_repeats(repeats: int, variants, engines, batches) -> tuple:
+    """Time every variant `repeats` times in alternating order: seconds, policy tokens, guidance
+    tokens per emitted token, and for the draft-stepping loops the engine steps and the draft
+    tokens computed (prompt and decode, vLLM's scheduled tokens) per call; turns per episode,
+    and whether the two multi-turn loops agreed (same tokens, largest log-prob gap)."""
     seconds, tokens, per_emitted = defaultdict(list), defaultdict(list), defaultdict(list)
-    turns, episodes, outputs = defaultdict(lambda: [0, 0, 0]), [], {}
+    steps, computed, episodes, outputs = defaultdict(list), defaultdict(list), [], {}
     for repeat in range(repeats):
-        counter.calls.clear()
         for name in variants if repeat % 2 == 0 else variants[::-1]:
-            s, out = timed(engines[name], batches[name])
+            sessions = getattr(engines[name], "rollout", engines[name]).draft_sessions
+            before = sessions.tokens_computed if sessions is not None else 0
+            with StepCounter() as counter:
+                s, out = timed(engines[name], batches[name])
             seconds[name].append(s)
             tokens[name].append(policy_tokens(out))
+            if sessions is not None:
+                steps[name].append(counter.steps)
+                computed[name].append(sessions.tokens_computed - before)
             outputs.setdefault(name, out)
             if "guidance_tokens_per_emitted" in out.meta_info:
                 per_emitted[name].append(out.meta_info["guidance_tokens_per_emitted"])
             if name == "multi_draft":
                 episodes.append(out.batch["multiturn_num_turns"].float().mean().item())
-        for turn, call in enumerate(counter.calls, start=1):
-            turns[turn][0] += len(call)
-            turns[turn][1] += sum(p for p, _ in call)
-            turns[turn][2] += sum(c for _, c in call)
     agree = same_episodes(outputs["multi_draft"], outputs["multi_barrier"])
     return (
         seconds,
         tokens,
         per_emitted,
-        turns,
+        (steps, computed),
         episodes,
         (*agree, *turn_steps(outputs["multi_draft"])),
     )
@@ -348,7 +329,7 @@ RATIOS = (("multi-turn / single-turn, draft only", "multi_draft", "single_draft"
           ("streamed without syncs / one batch a call, multi-turn draft only", "multi_pool", "multi_draft"))  # fmt: skip
 
 
-def report(args, variants, seconds, tokens, per_emitted, turns, episodes, agree, length) -> None:
+def report(args, variants, seconds, tokens, per_emitted, counts, episodes, agree, length) -> None:
     """Print the per-variant figures and the ratios."""
     per_token = {n: [s / t for s, t in zip(seconds[n], tokens[n], strict=True)] for n in variants}
     print(f"\n=== {args.prompts} prompts x {args.n} episodes, {args.repeats} repeats (medians) ===")
@@ -363,11 +344,17 @@ def report(args, variants, seconds, tokens, per_emitted, turns, episodes, agree,
     )
     print(f"engine steps a call needs: turn barrier {barrier_steps} (the longest turn of each turn), any loop at least "
           f"{longest} (the longest episode's policy tokens)")  # fmt: skip
+    steps, computed = counts
     print(
-        "per turn of the turn-barrier loop (all repeats): requests, prompt tokens / computed tokens per request"
+        "draft engine steps and draft tokens computed (prompt and decode) per call, per policy token:"
     )
-    for turn, (count, prompt, computed) in sorted(turns.items()):
-        print(f"  turn {turn}: {count // args.repeats:4d} requests per call, {prompt / count:5.1f} prompt tokens, {computed / count:5.1f} computed")  # fmt: skip
+    for name in variants:
+        if computed[name]:
+            per = statistics.median(
+                c / t for c, t in zip(computed[name], tokens[name], strict=True)
+            )
+            print(f"  {name:14s} {statistics.median(steps[name]):6.0f} steps  {statistics.median(computed[name]):7.0f} tokens "
+                  f"computed, {per:.2f} per policy token")  # fmt: skip
     print("\n=== ratios (seconds per policy token; 95 % paired-bootstrap interval) ===")
     for label, a, b in RATIOS:
         if a in variants and b in variants:

@@ -1,10 +1,9 @@
-"""The multi-turn benchmark's pure parts: the per-turn prefill counter and its prompts."""
+"""The multi-turn benchmark's pure parts: the step counter, the recipe and the comparisons."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_scripts import load
@@ -12,21 +11,22 @@ from bench_scripts import load
 B = load("bench_multi_turn")
 
 
-def test_prefill_counter_records_prompt_and_computed_tokens_per_call():
-    outputs = [
-        SimpleNamespace(prompt_token_ids=list(range(40)), num_cached_tokens=32),
-        SimpleNamespace(prompt_token_ids=list(range(6)), num_cached_tokens=None),
-    ]
-    engine = SimpleNamespace(generate=lambda requests, *args, **kwargs: outputs[: len(requests)])
-    counter = B.PrefillCounter(engine)
-    assert engine.generate(["a", "b"], None, use_tqdm=False) == outputs  # passed through
-    engine.generate(["a"])
-    # 40 prompt tokens, 32 served by the prefix cache: 8 computed; None (nothing cached): 6 of 6
-    assert counter.calls == [[(40, 8), (6, 6)], [(40, 8)]]
+def test_step_counter_counts_both_loops_steps_and_restores_them(monkeypatch):
+    """Two request-stream steps and one session step counted (3), each answer passed through, and
+    the classes' own `step` back once the block is left."""
+    monkeypatch.setattr(B.RequestStream, "step", lambda self: "request step")
+    monkeypatch.setattr(B.SessionEngine, "step", lambda self: "session step")
+    with B.StepCounter() as counter:
+        assert B.RequestStream.step(None) == "request step"
+        B.RequestStream.step(None)
+        assert B.SessionEngine.step(None) == "session step"
+    assert counter.steps == 3
+    B.RequestStream.step(None)
+    assert counter.steps == 3
 
 
 def test_the_recipe_is_the_tool_task_s():
-    cfg = B.rollout_config(n=4, response_length=51, multi_turn=True, guidance="g", block=32)
+    cfg = B.rollout_config(n=4, response_length=51, multi_turn=True, guidance="g")
     mt, g = cfg.multi_turn, cfg.offpolicy_guidance
     assert (mt.enable, mt.tools, mt.tool_call_format, mt.max_turns) == (
         True,
@@ -34,7 +34,7 @@ def test_the_recipe_is_the_tool_task_s():
         "embedded",
         4,
     )
-    assert (g.enable, g.lam, cfg.kv_block_size, cfg.n) == (True, 0.5, 32, 4)
+    assert (g.enable, g.lam, cfg.n) == (True, 0.5, 4)
     assert not B.rollout_config(4, 25, False, None).offpolicy_guidance.enable
 
 

@@ -5,7 +5,9 @@ interrupts between two steps and resumes under the new weights (AReaL's partial 
 The engine runs the call-writing model of test_multi_turn_rollout.py, whose next token depends on
 the last one only: the designated successor (the call's next character, `[` after any other
 token) has probability e^(8w) / (e^(8w) + 99) and each of the 99 other tokens 1 / (e^(8w) + 99).
-Version 0 is that model at w = 1 (0.968 for the successor), version 1 at w = 0.25 (0.0695).
+Version 0 is that model at w = 1 (0.968 for the successor), version 1 at w = 0.25 (0.0695). Its
+calls `[sq:7]` are answered by the `sq` tool (`=49\n`), so episodes run several turns. Each test
+runs on both backends of a turn: a new request, or the next chunk of the episode's draft session.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from speculative_helpers import chi2_counts_pvalue
-from test_multi_turn_rollout import multi_turn_config, save_call_writing_lm
+from test_multi_turn_rollout import multi_turn_config, save_call_writing_lm, sq_tool  # noqa: F401
 
 from verl.workers.rollout.episode_stream import VERSION_SLOT, EpisodeStream, piece_seed
 from verl.workers.rollout.multi_turn.trajectory import POLICY
@@ -45,7 +47,7 @@ def test_piece_seed_by_hand():
 
 
 @pytest.fixture(scope="module")
-def versions(tmp_path_factory):
+def versions(tmp_path_factory, sq_tool):  # noqa: F811
     """The engine at version 0 and the state dicts of both versions (HF models kept for the
     references)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -54,18 +56,27 @@ def versions(tmp_path_factory):
              for v, w in enumerate(WEIGHTS)]  # fmt: skip
     tok = AutoTokenizer.from_pretrained(paths[0])
     models = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32) for p in paths]
-    cfg = multi_turn_config(n=1, response_length=16, tools=["lookup"])
+    cfg = multi_turn_config(n=1, response_length=32, tools=[sq_tool])
     cfg.validate("worker.rollout")
     with VLLMRollout(paths[0], cfg, tok.eos_token_id, tok.pad_token_id) as engine:
         engine.wake_up()
         yield engine, tok, models
 
 
-def stream_at_version_0(versions, prompts: list[list[int]], seeds, limit: int) -> EpisodeStream:
+BACKENDS = ("requests", "sessions")
+"""A turn as a new request, or as the next chunk of the episode's draft session."""
+
+
+def stream_at_version_0(
+    versions, prompts: list[list[int]], seeds, limit: int, backend: str
+) -> EpisodeStream:
     engine, _, models = versions
     engine.sync_weights(models[0].state_dict())
     ctx = engine.call_context({})
-    return EpisodeStream(ctx, ctx.multi_turn, prompts, np.asarray(seeds), limit, versioned=True)
+    sessions = ctx.draft_sessions if backend == "sessions" else None
+    assert backend == "requests" or sessions is not None
+    return EpisodeStream(ctx, ctx.multi_turn, prompts, np.asarray(seeds), limit, versioned=True,
+                         sessions=sessions)  # fmt: skip
 
 
 def test_interrupt_returns_the_tokens_sampled_so_far(versions):
@@ -93,11 +104,13 @@ def test_interrupt_returns_the_tokens_sampled_so_far(versions):
         )
 
 
-def resumed_across_a_sync(versions, prompts, seeds, limit: int, steps: int) -> EpisodeStream:
+def resumed_across_a_sync(
+    versions, prompts, seeds, limit: int, steps: int, backend: str
+) -> EpisodeStream:
     """Episodes started at version 0, interrupted after `steps` engine steps, version 1 loaded,
     then resumed to their ends."""
     engine, _, models = versions
-    stream = stream_at_version_0(versions, prompts, seeds, limit)
+    stream = stream_at_version_0(versions, prompts, seeds, limit, backend)
     with stream:
         stream.admit(range(len(prompts)))
         count = iter(range(1, steps + 1))
@@ -135,26 +148,28 @@ def assert_exact(episodes, model_of) -> tuple[int, int]:
     return mixed, likely
 
 
-def test_every_token_is_exact_under_the_version_that_sampled_it(versions):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_token_is_exact_under_the_version_that_sampled_it(versions, backend):
     """Episodes interrupted mid-turn by a weight sync: turns hold tokens of both versions, every
     policy token's sampled log-prob equals an HF forward of the whole episode under the version it
     records, and version 0 sampled its likely tokens (it writes the call with probability 0.968)."""
     _, tok, models = versions
     prompts = [tok(t)["input_ids"] for t in ["a ", "b ", "c ", "dd "] * 4]
-    stream = resumed_across_a_sync(versions, prompts, range(0, 1600, 100), limit=16, steps=3)
+    stream = resumed_across_a_sync(versions, prompts, range(0, 1600, 100), 16, 3, backend)
     assert stream.interrupted == len(prompts)
     mixed, likely = assert_exact(stream.episodes, lambda v: models[v])
     assert mixed >= len(prompts) // 2 and likely > 0
 
 
-def test_batches_through_the_pool_with_a_sync_between(versions):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batches_through_the_pool_with_a_sync_between(versions, backend):
     """Three batches of 8 episodes through `run_batches`, the weights switched between batches
     (versions 0, 1, 2 = the w = 1, 0.25, 1 models): at each sync some of the next batch had
     started in the drained tail; batch b's tokens come from versions b - 1 and b only, and every
     token is exact under its version."""
     engine, tok, models = versions
     prompts = [tok(t)["input_ids"] for t in ["a ", "b ", "c ", "dd "] * 2]
-    pool = stream_at_version_0(versions, [], [], limit=16)
+    pool = stream_at_version_0(versions, [], [], 16, backend)
     in_tail = []
 
     def sync() -> int:
@@ -172,7 +187,8 @@ def test_batches_through_the_pool_with_a_sync_between(versions):
     assert_exact(pool.episodes, lambda v: models[v % 2])
 
 
-def test_the_token_after_an_interruption_follows_the_new_weights(versions):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_token_after_an_interruption_follows_the_new_weights(versions, backend):
     """Chi-square: the first token each turn samples after the sync (version 1) given the last one
     before it (version 0) falls on the designated successor with probability 0.0695
     (e^2 / (e^2 + 99)), on a repeat of the token before it with 1 / (e^2 + 99) = 0.0094, else on
@@ -184,9 +200,8 @@ def test_the_token_after_an_interruption_follows_the_new_weights(versions):
     successor = {c: d for c, d in zip("[sq:7", "sq:7]", strict=True)}
     n = 480
     prompts = [tok("a ")["input_ids"]] * n
-    stream = resumed_across_a_sync(
-        versions, prompts, range(7, 7 + 1000 * n, 1000), limit=4, steps=1
-    )
+    seeds = range(7, 7 + 1000 * n, 1000)
+    stream = resumed_across_a_sync(versions, prompts, seeds, limit=4, steps=1, backend=backend)
     counts = torch.zeros(3)
     for episode in stream.episodes:
         turn = episode.segments[0]
@@ -209,7 +224,8 @@ def test_the_token_after_an_interruption_follows_the_new_weights(versions):
     )
 
 
-def test_a_pool_fills_one_batch_tail_with_the_next_batch(versions):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pool_fills_one_batch_tail_with_the_next_batch(versions, backend):
     """Two batches of 8 episodes through one stream, the second admitted as the first's episodes
     end (at most 8 in flight): some of the second batch start before the first batch's last
     episode ends, and with no interruption every episode equals the same seeded episode run in
@@ -218,7 +234,7 @@ def test_a_pool_fills_one_batch_tail_with_the_next_batch(versions):
     texts = ["a ", "b ", "c ", "dd "] * 2
     prompts = [tok(t)["input_ids"] for t in texts]
     seeds = [list(range(3, 803, 100)), list(range(5, 805, 100))]
-    pool = stream_at_version_0(versions, prompts, seeds[0], limit=16)
+    pool = stream_at_version_0(versions, prompts, seeds[0], 16, backend)
     second = pool.add(prompts, seeds[1])
     first_done = lambda: all(i in pool.finished for i in range(8))  # noqa: E731
     waiting = list(second)
@@ -229,7 +245,37 @@ def test_a_pool_fills_one_batch_tail_with_the_next_batch(versions):
         pool.advance(waiting=waiting, cap=8)
     assert first_done() and in_tail > 0 and not waiting and len(pool.finished) == 16
     for b, batch_seeds in enumerate(seeds):
-        episodes, _ = stream_at_version_0(versions, prompts, batch_seeds, limit=16).run()
+        episodes, _ = stream_at_version_0(versions, prompts, batch_seeds, 16, backend).run()
         for i, episode in enumerate(episodes):
             assert pool.episodes[8 * b + i].response_ids == episode.response_ids
             assert pool.episodes[8 * b + i].segments[0].slots[VERSION_SLOT][0] == 0
+
+
+def computed_tokens(episode, sessions: bool) -> int:
+    """The tokens the engine runs for an episode: a request per turn computes the turn's whole
+    context and each sampled token but the last (context + turn - 1 per turn); a session computes
+    each token once, up to the last turn's last token, which nothing reads (the end of the last
+    policy turn - 1; a delta after it is never run)."""
+    total, pos, end = 0, len(episode.prompt_ids), 0
+    for segment in episode.segments:
+        if segment.kind == POLICY:
+            total += pos + len(segment.ids) - 1
+            end = pos + len(segment.ids) - 1
+        pos += len(segment.ids)
+    return end if sessions else total
+
+
+def test_a_session_computes_each_token_once_and_a_request_per_turn_recomputes(versions):
+    """Over one call the draft computes exactly `computed_tokens` (vLLM's scheduled tokens, counted
+    by the sessions' engine): with sessions each token of an episode once, with a request per
+    turn every turn's whole context again (prefix caching is off on a multi-turn draft)."""
+    _, tok, _ = versions
+    prompts = [tok(t)["input_ids"] for t in ["a ", "b ", "c ", "dd "] * 2]
+    for backend in BACKENDS:
+        stream = stream_at_version_0(versions, prompts, range(11, 19), 32, backend)
+        engine = stream.ctx.draft_sessions
+        before = engine.tokens_computed
+        episodes, _ = stream.run()
+        expected = sum(computed_tokens(e, backend == "sessions") for e in episodes)
+        assert engine.tokens_computed - before == expected, backend
+        assert sum(e.num_turns for e in episodes) > len(episodes)  # episodes of several turns

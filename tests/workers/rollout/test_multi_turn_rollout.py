@@ -244,10 +244,13 @@ def test_episodes_on_their_own_equal_the_turn_barrier_loop(noisy):
 def test_stopping_by_id_equals_stopping_at_the_stop_string(noisy, monkeypatch):
     """A turn ends at the first id whose text holds `]` (`stop_token_ids`: the engine does not
     detokenize) exactly as vLLM's stop-string matching ends it (detokenized, the string kept):
-    byte-identical batches, in both loops (turn by turn and episodes on their own)."""
+    byte-identical batches, in both loops (turn by turn and episodes on their own). Both on
+    requests: sessions, which stop by id only, are turned off for the comparison."""
+    from verl.workers.rollout import multi_turn_mode
     from verl.workers.rollout.multi_turn.runtime import MultiTurnRuntime
 
     engine, tok = noisy
+    monkeypatch.setattr(multi_turn_mode, "episode_sessions", lambda ctx, job: None)
     out = {}
     for by_id in (True, False):
         if not by_id:  # the engine matches the stop strings in its text

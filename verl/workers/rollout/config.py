@@ -227,7 +227,7 @@ class RolloutConfig:
     sleep_level: int = 1
     """vLLM sleep level of `free_cache_engine` (1 only: level 2 discards the weights, which then come back garbled after a sync)."""
     enable_prefix_caching: bool = True
-    """Share KV cache across requests with a common prefix (speculative guidance: off, by design)."""
+    """Share KV cache across requests with a common prefix (off by design on the draft with speculative guidance or multi-turn, whose sessions keep each sequence's KV cache themselves; on the guidance with speculative guidance)."""
     enable_chunked_prefill: bool = True
     """vLLM's enable_chunked_prefill for both engines: a prefill longer than max_num_batched_tokens is split over engine steps (vLLM 0.32's default for these models); False turns it off, which vLLM warns decoder models do not officially support."""
     max_num_batched_tokens: int = 8192

@@ -98,6 +98,8 @@ def engine_args(model_path: str, config: RolloutConfig) -> tuple[dict, dict | No
                  logprobs_mode="processed_logprobs", **common,
                  **engine_memory_args(config.gpu_memory_utilization, f"{_KEY}.gpu_memory_utilization",
                                       vocab if draft_rows > vocab else None))  # fmt: skip
+    if config.multi_turn.enable:  # draft-only episodes keep a session from turn to turn too
+        draft["enable_prefix_caching"] = False
     teacher = None
     if guidance.enable:
         teacher = guidance_engine_args(

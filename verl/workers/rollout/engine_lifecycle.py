@@ -61,7 +61,7 @@ class EngineLifecycle:
     `own_guidance`: start the guidance engine as a child process here (used on its own); else
     the guidance is a service reached after `connect_guidance` (the trainer's `RolloutGroup`).
     State: `config`, `engines` (draft `vllm.LLM`, guidance channel), `draft_sessions` (speculative
-    mode), `num_logprobs` (K), `draft_facts` / `guidance_facts`, `sleep_mode`, `_awake`."""
+    mode, multi-turn), `num_logprobs` (K), `draft_facts` / `guidance_facts`, `sleep_mode`, `_awake`."""
 
     def __init__(self, model_path: str, config: RolloutConfig, own_guidance: bool = True) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -88,7 +88,8 @@ class EngineLifecycle:
                 engine.shutdown()
             raise
         self.engines = Engines(draft, engine)
-        self.draft_sessions = SessionEngine(draft) if self.speculative else None
+        sessions = self.speculative or config.multi_turn.enable
+        self.draft_sessions = SessionEngine(draft) if sessions else None
         self.sleep_mode = sleeps(config)
         self._awake = {"weights", "kv_cache"}  # the draft engine's memory that is resident
 

@@ -31,7 +31,7 @@ from verl.workers.rollout.multi_turn import (
 from verl.workers.rollout.multi_turn.runtime import TurnCalls
 from verl.workers.rollout.speculative import GuidedSequence
 from verl.workers.rollout.vllm_engine import RequestStream
-from verl.workers.rollout.vllm_sessions import sampled_log_probs
+from verl.workers.rollout.vllm_sessions import SessionEngine, sampled_log_probs
 
 TOOL_GRACE_S = 0.01
 """Seconds the loop waits at most for the threaded calls of the turns that just ended before it
@@ -174,6 +174,22 @@ def piece_seed(seed: int, turn: int, piece: int) -> int:
     return int(state[0]) >> 1
 
 
+def session_turn(chunk, ctx: RolloutContext, runtime: MultiTurnRuntime, budget: int) -> Turn:
+    """A draft session's finished chunk (`vllm_sessions.ChunkOutput`, at most `budget` tokens) as
+    a `Turn`, its sampled log-probs as `rollout_log_probs`, ended for the reason vLLM's stop check
+    gives first: EOS, a stop id (`runtime.stop_token_ids`: `tool_call`), the token limit."""
+    ids = [int(t) for t in chunk.token_ids]
+    log_probs = np.concatenate(chunk.logprobs)[:, 0].tolist() if ids else []
+    last = ids[-1] if ids else None
+    if last is not None and not ctx.ignore_eos and last == ctx.eos_token_id:
+        reason = "eos"
+    elif last is not None and last in (runtime.stop_token_ids or ()):
+        reason = "tool_call"
+    else:
+        reason = "length"
+    return Turn(ids, runtime.turn_text(ids), reason, {"rollout_log_probs": log_probs})
+
+
 @dataclass
 class EpisodeStream(Outcomes):
     """Draft-only episodes that advance on their own (continuous batching across episodes).
@@ -188,14 +204,21 @@ class EpisodeStream(Outcomes):
     thread (None: `runtime.run_calls`). `submitted` lists (episode, turn) of every turn in the
     order they started, `finished` the episodes in the order they ended.
 
+    With `sessions` (the draft's `SessionEngine`), an episode keeps one session from turn to turn
+    instead: a turn is a chunk that computes only what came since the last one (the turn's last
+    token and the tool delta), and the session's draws go on from turn to turn (seeded `seeds[i]`
+    when it opened), again independent of when the turns ran. Needs turns that end at stop ids;
+    a session with images opens on them (`SessionEngine.expect`).
+
     `run` runs the episodes given to the constructor. As a pool (`with stream:`), episodes are
     `add`ed and `admit`ted at any time and the engine stepped until a condition holds
     (`advance`, which can also admit waiting episodes as others end). `interrupt` aborts the
-    turns on the engine between two steps, keeping each one's tokens so far; the caller reloads
-    the weights; `resume(version)` submits each interrupted turn again where it stopped (prompt:
-    the episode and the turn's tokens; budget: what is left; its draws seeded anew, `piece_seed`),
-    so every token is an exact draw of the weights that sampled it, given everything before it.
-    With `versioned` each policy token records that version (`VERSION_SLOT`)."""
+    turns on the engine between two steps, keeping each one's tokens so far (and closes every
+    session: their KV cache holds the old weights' keys and values); the caller reloads the
+    weights; `resume(version)` submits each interrupted turn again where it stopped (prompt: the
+    episode and the turn's tokens; budget: what is left; its draws seeded anew, `piece_seed`), so
+    every token is an exact draw of the weights that sampled it, given everything before it. With
+    `versioned` each policy token records that version (`VERSION_SLOT`)."""
 
     ctx: RolloutContext
     runtime: MultiTurnRuntime
@@ -207,6 +230,8 @@ class EpisodeStream(Outcomes):
     finished: list[int] = field(default_factory=list)
     images: list | None = None
     """Each episode's prompt images (`Job.images`), or None."""
+    sessions: SessionEngine | None = None
+    """The draft's sessions, one per episode kept from turn to turn; None: a request per turn."""
     versioned: bool = False
     """Record each policy token's weight version (`VERSION_SLOT`)."""
     version: int = 0
@@ -215,6 +240,8 @@ class EpisodeStream(Outcomes):
     """Turns interrupted so far (one turn interrupted twice counts twice)."""
 
     def __post_init__(self) -> None:
+        if self.sessions is not None and self.runtime.stop_token_ids is None:
+            raise ValueError("EpisodeStream: sessions need turns that end at stop ids")
         first = (self.prompts, self.seeds, self.images)
         self.prompts, self.seeds, self.images = [], [], None if self.images is None else []
         self.episodes: list[Trajectory] = []
@@ -222,9 +249,13 @@ class EpisodeStream(Outcomes):
         self._turns: list[int] = []  # turns started per episode
         self._breaks: list[int] = []  # interruptions of the turn running
         self._pieces: list[list[tuple[list[int], list[float], int]]] = []  # its tokens so far
+        self._sid: list[str | None] = []  # each episode's open session
+        self._opened: list[int] = []  # sessions each episode opened
         self._paused: list[int] = []
-        self._owner: dict[str, int] = {}  # request id -> its episode
+        self._owner: dict[str, int] = {}  # running request or session id -> its episode
+        self._chunks: dict[str, tuple[object, int]] = {}  # running session -> its output, limit
         self._started = 0
+        self._name = f"m{self.ctx.waves.next()}" if self.sessions is not None else ""
         self._exit: ExitStack | None = None
         self.add(*first)
 
@@ -241,8 +272,8 @@ class EpisodeStream(Outcomes):
             self.images += list(images)
         self.episodes += [Trajectory(list(p)) for p in prompts]
         self.cut += [False] * n
-        self._turns += [0] * n
-        self._breaks += [0] * n
+        for attribute, value in (("_turns", 0), ("_breaks", 0), ("_sid", None), ("_opened", 0)):
+            getattr(self, attribute).extend([value] * n)
         self._pieces += [[] for _ in range(n)]
         return range(start, start + n)
 
@@ -253,7 +284,10 @@ class EpisodeStream(Outcomes):
 
     def __enter__(self) -> EpisodeStream:
         self._exit = ExitStack()
-        self._stream = self._exit.enter_context(RequestStream(self.ctx.engines.draft))
+        if self.sessions is None:
+            self._stream = self._exit.enter_context(RequestStream(self.ctx.engines.draft))
+        else:
+            self._exit.callback(lambda: self._close(range(len(self.prompts))))
         self._tools = self._exit.enter_context(ToolRuns(self.runtime, self.call_tools))
         return self
 
@@ -261,10 +295,16 @@ class EpisodeStream(Outcomes):
         self._exit.__exit__(*exc)
 
     def run(self) -> tuple[list[Trajectory], list[bool]]:
-        """The constructor's episodes run to their ends, and whether each ended cut (`follow`)."""
+        """The constructor's episodes run to their ends, and whether each ended cut (`follow`).
+        With sessions, at most as many at once as the draft's KV cache holds sessions of a whole
+        episode."""
+        n = len(self.prompts)
+        cap = n
+        if self.sessions is not None and n:
+            cap = self.sessions.capacity(max(map(len, self.prompts)) + self.limit + 1)
         with self:
-            self.admit(range(len(self.prompts)))
-            self.advance()
+            self.admit(range(min(cap, n)))
+            self.advance(waiting=list(range(min(cap, n), n)), cap=cap)
         return self.episodes, self.cut
 
     def admit(self, episodes: Iterable[int]) -> None:
@@ -280,33 +320,56 @@ class EpisodeStream(Outcomes):
         """Step the engine and take the tools' returns until `until()` holds after a step (None:
         until no turn runs and no call is out). After each step, episodes of `waiting` (popped
         from its front) are admitted while fewer than `cap` are in flight."""
-        stream, tools = self._stream, self._tools
-        while stream.busy or tools.waiting or (waiting and self.in_flight < cap):
-            for output in sorted(stream.step() if stream.busy else [],
-                                 key=lambda o: self._owner[o.request_id]):  # fmt: skip
-                self._turn_ended(self._owner.pop(output.request_id), output)
+        tools = self._tools
+        while self._owner or tools.waiting or (waiting and self.in_flight < cap):
+            for i, turn in self._step() if self._owner else []:
+                self._turn_ended(i, turn)
             admits = bool(waiting) and self.in_flight < cap
-            returned = tools.returned(wait_for_one=not stream.busy and not admits)
+            returned = tools.returned(wait_for_one=not self._owner and not admits)
             self._submit([i for i, turn, results in returned if self._follow(i, turn, results)])
             while waiting and self.in_flight < cap:
                 self.admit([waiting.pop(0)])
             if until is not None and until():
                 return
 
+    def _step(self) -> list[tuple[int, Turn]]:
+        """One engine step: the turns that ended in it, by episode."""
+        if self.sessions is None:
+            ended = [(self._owner.pop(o.request_id), draft_turn(o.outputs[0], self.runtime))
+                     for o in self._stream.step()]  # fmt: skip
+        else:
+            ended = []
+            for sid in self.sessions.step():
+                if sid in self._owner:
+                    chunk, budget = self._chunks.pop(sid)
+                    ended.append(
+                        (self._owner.pop(sid), session_turn(chunk, self.ctx, self.runtime, budget))
+                    )
+        return sorted(ended, key=lambda pair: pair[0])
+
     def interrupt(self) -> int:
         """Abort the turns running on the engine (call between steps), keeping each one's tokens
-        and log-probs so far; their calls and the episodes waiting on tools are untouched.
-        Returns how many turns were interrupted."""
-        outputs = self._stream.interrupt()
-        for output in outputs:
-            i = self._owner.pop(output.request_id)
-            ids, log_probs = sampled_log_probs(output.outputs[0])
+        and log-probs so far; their calls and the episodes waiting on tools are untouched (with
+        sessions, every session is closed: the next turn opens a new one). Returns how many
+        turns were interrupted."""
+        if self.sessions is None:
+            cut = [
+                (o.request_id, *sampled_log_probs(o.outputs[0])) for o in self._stream.interrupt()
+            ]
+        else:
+            cut = [(sid, [int(t) for t in chunk.token_ids],
+                    np.concatenate(chunk.logprobs)[:, 0].tolist() if chunk.token_ids else [])
+                   for sid, (chunk, _) in sorted(self._chunks.items())]  # fmt: skip
+            self._chunks.clear()
+            self._close(range(len(self.prompts)))
+        for key, ids, log_probs in cut:
+            i = self._owner.pop(key)
             if ids:
                 self._pieces[i].append((list(ids), list(log_probs), self.version))
             self._breaks[i] += 1
             self._paused.append(i)
-        self.interrupted += len(outputs)
-        return len(outputs)
+        self.interrupted += len(cut)
+        return len(cut)
 
     def resume(self, version: int) -> None:
         """Submit the interrupted turns again, under the engine's weights, now `version`."""
@@ -315,25 +378,60 @@ class EpisodeStream(Outcomes):
         self._submit(paused)
 
     def _submit(self, episodes: Iterable[int]) -> None:
-        """Each episode's next turn, or its interrupted turn's next piece, as a request."""
-        prompts, params, mine = [], [], []
+        """Each episode's next turn, or its interrupted turn's next piece, as a request (or as its
+        session's next chunk)."""
+        prompts, params, mine, chunks, fresh = [], [], [], [], {}
         for i in episodes:
             if not self._breaks[i]:
                 self._turns[i] += 1
                 self.submitted.append((i, self._turns[i]))
             so_far = [t for ids, _, _ in self._pieces[i] for t in ids]
-            seed = piece_seed(self.seeds[i], self._turns[i], self._breaks[i])
             budget = self.limit - len(self.episodes[i].response_ids) - len(so_far)
-            params.append(turn_params(self.ctx, self.runtime, seed, budget))
-            opening = self.images[i] if self.images else None
-            prompts.append(engine_request(self.episodes[i].context_ids() + so_far, opening))
+            context = self.episodes[i].context_ids() + so_far
             mine.append(i)
-        if prompts:
-            self._owner.update(zip(self._stream.add(prompts, params), mine, strict=True))
+            if self.sessions is None:
+                seed = piece_seed(self.seeds[i], self._turns[i], self._breaks[i])
+                params.append(turn_params(self.ctx, self.runtime, seed, budget))
+                opening = self.images[i] if self.images else None
+                prompts.append(engine_request(context, opening))
+                continue
+            if self._sid[i] is None:  # a new session: the first seeded seeds[i], later ones anew
+                self._sid[i] = f"{self._name}-{i}.{self._opened[i]}"
+                if self.images and self.images[i] is not None:  # it opens with the prompt's images
+                    self.sessions.expect({self._sid[i]: self.images[i]})
+                seed = (
+                    self.seeds[i]
+                    if not self._opened[i]
+                    else piece_seed(self.seeds[i], 0, self._opened[i])
+                )
+                fresh[self._sid[i]] = turn_params(self.ctx, self.runtime, seed, budget)
+                self._opened[i] += 1
+            chunks.append((self._sid[i], context, budget, None))
+        if self.sessions is None:
+            if prompts:
+                self._owner.update(zip(self._stream.add(prompts, params), mine, strict=True))
+            return
+        outs = self.sessions.add(chunks, lambda sid, _: fresh[sid]) if chunks else []
+        for (sid, _, budget, _), out, i in zip(chunks, outs, mine, strict=True):
+            self._owner[sid], self._chunks[sid] = i, (out, budget)
 
-    def _turn_ended(self, i: int, output) -> None:
+    def _close(self, episodes: Iterable[int]) -> None:
+        """Close the sessions of `episodes` that are open."""
+        sids = [self._sid[i] for i in episodes if self._sid[i] is not None]
+        for i in episodes:
+            self._sid[i] = None
+        if sids:
+            self.sessions.close(sids)
+
+    def _follow(self, i: int, read: TurnCalls, results: list[ToolResult]) -> bool:
+        """`Outcomes._follow`, and an episode that ended frees its session."""
+        goes_on = super()._follow(i, read, results)
+        if not goes_on and self.sessions is not None:
+            self._close([i])
+        return goes_on
+
+    def _turn_ended(self, i: int, turn: Turn) -> None:
         """Record episode i's finished turn (its pieces joined); start its calls, or end it."""
-        turn = draft_turn(output.outputs[0], self.runtime)
         pieces = [*self._pieces[i], (turn.ids, turn.slots["rollout_log_probs"], self.version)]
         self._pieces[i], self._breaks[i] = [], 0
         if len(pieces) > 1:

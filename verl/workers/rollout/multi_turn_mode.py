@@ -54,6 +54,7 @@ from verl.workers.rollout.episode_stream import (
     Turn,
     draft_turn,
     follow,
+    session_turn,
     turn_params,
 )
 from verl.workers.rollout.modes import (
@@ -74,6 +75,7 @@ from verl.workers.rollout.multi_turn import (
 from verl.workers.rollout.packing import guidance_part
 from verl.workers.rollout.speculative import GuidedSequence, RoundStats, SpeculativeBatch
 from verl.workers.rollout.speculative_mode import run_rounds, sessions_freed, wave_size
+from verl.workers.rollout.vllm_sessions import SessionEngine
 
 MULTI_TURN_COUNTS = ("num_turns", "num_tool_calls", "num_tool_errors", "num_tool_truncated",
                      "retokenized")  # fmt: skip
@@ -97,12 +99,27 @@ TurnFn = Callable[[list[int], list[list[int]], list[int], int], list[Turn]]
 
 
 def draft_turns(
-    ctx: RolloutContext, runtime: MultiTurnRuntime, seeds: np.ndarray, images: list | None = None
-) -> TurnFn:
+    ctx: RolloutContext, runtime: MultiTurnRuntime, seeds: np.ndarray, images: list | None = None,
+    sessions: SessionEngine | None = None,
+) -> TurnFn:  # fmt: skip
     """Turns by the draft engine alone, one `generate` call over the active episodes per turn
-    (turn k of episode i seeded seeds[i] + k - 1, `turn_params`); `images` as `Job.images`."""
+    (turn k of episode i seeded seeds[i] + k - 1, `turn_params`); `images` as `Job.images`. With
+    `sessions`, one chunk per active episode per turn instead, each episode in a session of its
+    own from turn to turn, seeded seeds[i] (as `EpisodeStream` with sessions)."""
+    name = f"b{ctx.waves.next()}" if sessions is not None else ""
 
     def turns(active, contexts, budgets, turn):
+        if sessions is not None:
+            chunks = [(f"{name}-{i}", context, budget, None)
+                      for i, context, budget in zip(active, contexts, budgets, strict=True)]  # fmt: skip
+            seed = {sid: int(seeds[i]) for (sid, *_), i in zip(chunks, active, strict=True)}
+            if images:  # the sessions not open yet open with their prompts' images
+                sessions.expect({sid: images[i] for (sid, *_), i in zip(chunks, active, strict=True)
+                                 if images[i] is not None})  # fmt: skip
+            outs = sessions.run(
+                chunks, lambda sid, limit: turn_params(ctx, runtime, seed[sid], limit)
+            )
+            return [session_turn(outs[sid], ctx, runtime, budget) for sid, _, budget, _ in chunks]
         params = [turn_params(ctx, runtime, int(seeds[i]) + turn - 1, budget)
                   for i, budget in zip(active, budgets, strict=True)]  # fmt: skip
         requests = [engine_request(context, images[i] if images else None)
@@ -110,6 +127,7 @@ def draft_turns(
         outputs = ctx.engines.draft.generate(requests, params, use_tqdm=False)
         return [draft_turn(o.outputs[0], runtime) for o in outputs]
 
+    turns.session_ids = [f"{name}-{i}" for i in range(len(seeds))] if sessions is not None else []
     return turns
 
 
@@ -307,12 +325,33 @@ def multi_turn(ctx: RolloutContext, job: Job) -> Generated:
 
 def draft_episodes(ctx: RolloutContext, job: Job) -> tuple[list[Trajectory], list[bool]]:
     """Draft-only episodes of `job`: on their own (`EpisodeStream`), or turn by turn when the
-    call's meta_info sets `TURN_BARRIER_KEY`; with the episodes' cuts."""
+    call's meta_info sets `TURN_BARRIER_KEY`; with the episodes' cuts. Each episode keeps a draft
+    session from turn to turn (`episode_sessions`) when it can, else a turn is a new request."""
     runtime, seeds = ctx.multi_turn, job.seeds[:, 0]
+    sessions = episode_sessions(ctx, job)
     if job.meta.get(TURN_BARRIER_KEY, False):
-        turns = draft_turns(ctx, runtime, seeds, job.images)
-        return run_episodes(ctx.max_tokens, runtime, job.prompts, turns)
-    return EpisodeStream(ctx, runtime, job.prompts, seeds, ctx.max_tokens, images=job.images).run()
+        if sessions is not None and sessions.capacity(
+            max(map(len, job.prompts)) + ctx.max_tokens + 1
+        ) < len(job.prompts):
+            sessions = None  # turn by turn, every episode's session would be held at once
+        turns = draft_turns(ctx, runtime, seeds, job.images, sessions)
+        try:
+            return run_episodes(ctx.max_tokens, runtime, job.prompts, turns)
+        finally:
+            if sessions is not None:
+                sessions.close(turns.session_ids)
+    return EpisodeStream(ctx, runtime, job.prompts, seeds, ctx.max_tokens, images=job.images,
+                         sessions=sessions).run()  # fmt: skip
+
+
+def episode_sessions(ctx: RolloutContext, job: Job) -> SessionEngine | None:
+    """The draft's sessions when draft-only episodes can keep one from turn to turn: the engine
+    has them (multi-turn builds it so) and turns end at stop ids (`runtime.stop_token_ids`: the
+    engine core's stop check, which sessions run, matches no stop string). Else None (a request
+    per turn)."""
+    if ctx.draft_sessions is None or ctx.multi_turn.stop_token_ids is None:
+        return None
+    return ctx.draft_sessions
 
 
 @GENERATION_MODES.register("multi_turn_speculative")
