@@ -41,6 +41,7 @@ only, not the cut error texts).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -82,8 +83,10 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+@functools.lru_cache(maxsize=16)
 def tool_role(tokenizer) -> str:
-    """`tool` when the chat template renders a tool message's content, else `user`."""
+    """`tool` when the chat template renders a tool message's content, else `user` (read once
+    per tokenizer)."""
     try:
         probe = [*DUMMY_HISTORY, {"role": "tool", "content": TOOL_SENTINEL}]
         return "tool" if TOOL_SENTINEL in _render(tokenizer, probe, True) else "user"
@@ -114,11 +117,18 @@ def plain_text(text: str) -> str:
     return "".join(c if " " <= c <= "~" else "?" for c in text)
 
 
+@functools.lru_cache(maxsize=16)
+def _frame(tokenizer) -> tuple[str, str]:
+    """The dummy history as the chat template renders it, and its generation prompt (read once
+    per tokenizer)."""
+    history = _render(tokenizer, DUMMY_HISTORY, False)
+    return history, _render(tokenizer, DUMMY_HISTORY, True)[len(history) :]
+
+
 def chat_delta_text(tokenizer, tool_texts: Sequence[str], role: str) -> tuple[str, bool]:
     """(delta text, prefix-preserving) of tool messages in the chat template (module docstring);
     ValueError when the template does not end it with its generation prompt."""
-    history = _render(tokenizer, DUMMY_HISTORY, False)
-    generation_prompt = _render(tokenizer, DUMMY_HISTORY, True)[len(history) :]
+    history, generation_prompt = _frame(tokenizer)
     messages = [*DUMMY_HISTORY, *(_tool_message(role, t) for t in tool_texts)]
     full = _render(tokenizer, messages, True)
     end = full.index(ASSISTANT_SENTINEL) + len(ASSISTANT_SENTINEL)

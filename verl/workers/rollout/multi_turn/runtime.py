@@ -20,6 +20,7 @@ shared by every turn's calls, whichever thread runs them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -95,6 +96,7 @@ class MultiTurnRuntime:
         self.tool_timeout_s = config.tool_timeout_s
         self.tool_slots = ToolSlots(config.max_parallel_tools)
         """The run's tool threads: hung calls (timed out, not returned) keep theirs."""
+        self._deltas = functools.lru_cache(maxsize=4096)(self._delta)
 
     @property
     def hung_tool_calls(self) -> int:
@@ -191,10 +193,14 @@ class MultiTurnRuntime:
         if not turn.answered:
             return TurnOutcome(False, turn.calls, turn.malformed, unanswered=turn.answerable)
         results = list(results)
-        delta = tool_delta_ids(self.tokenizer, [r.text for r in results],
-                               self.max_tool_response_length, self.use_chat_template,
-                               after_eos=turn.reason == "eos")  # fmt: skip
+        delta = self._deltas(tuple(r.text for r in results), turn.reason == "eos")
         return TurnOutcome(True, turn.calls, turn.malformed, results, delta)
+
+    def _delta(self, texts: tuple[str, ...], after_eos: bool) -> ToolDelta:
+        """`tool_delta_ids` of `texts` with this run's settings (`answer` keeps the last 4,096:
+        a tool's results repeat, and the same texts always give the same delta)."""
+        return tool_delta_ids(self.tokenizer, list(texts), self.max_tool_response_length,
+                              self.use_chat_template, after_eos=after_eos)  # fmt: skip
 
     def step(
         self, texts: Sequence[str], finish_reasons: Sequence[str], turns_done: Sequence[int]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -252,14 +253,19 @@ def _fits(value: Any, annotation: Any) -> tuple[bool, Any]:
     return ok, value
 
 
+@functools.lru_cache(maxsize=256)
+def _signature(fn: Callable[..., Any]) -> tuple[inspect.Signature, dict[str, Any]]:
+    """A tool function's signature and type hints, read once per function (every call binds)."""
+    return inspect.signature(fn), typing.get_type_hints(fn)
+
+
 def _bind(tool: Tool, arguments: dict[str, Any] | list[Any]) -> dict[str, Any]:
     """Keyword arguments for `tool.fn`; TypeError saying why the arguments do not fit."""
-    signature = inspect.signature(tool.fn)
+    signature, hints = _signature(tool.fn)
     if isinstance(arguments, dict):
         bound = signature.bind(**arguments)
     else:
         bound = signature.bind(*arguments)
-    hints = typing.get_type_hints(tool.fn)
     kwargs = {}
     for name, value in bound.arguments.items():
         ok, kwargs[name] = _fits(value, hints[name])
@@ -388,6 +394,8 @@ def run_tool_calls(calls: Sequence[ToolCall], tools: dict[str, Tool], timeout_s:
             results[i] = _call(call.name, tools[call.name].fn, prepared)
         else:
             pending.append((i, prepared))
+    if not pending:
+        return results  # type: ignore[return-value]
     done: queue.Queue = queue.Queue()
     running: dict[int, tuple[float, int]] = {}  # index -> (deadline, ticket)
     while pending or running:
