@@ -252,6 +252,7 @@ class EpisodeStream(Outcomes):
         self._sid: list[str | None] = []  # each episode's open session
         self._opened: list[int] = []  # sessions each episode opened
         self._paused: list[int] = []
+        self._ended: list[str] = []  # sessions of episodes that ended, to close
         self._owner: dict[str, int] = {}  # running request or session id -> its episode
         self._chunks: dict[str, tuple[object, int]] = {}  # running session -> its output, limit
         self._started = 0
@@ -327,6 +328,8 @@ class EpisodeStream(Outcomes):
             admits = bool(waiting) and self.in_flight < cap
             returned = tools.returned(wait_for_one=not self._owner and not admits)
             self._submit([i for i, turn, results in returned if self._follow(i, turn, results)])
+            if self._ended:
+                self._close()
             while waiting and self.in_flight < cap:
                 self.admit([waiting.pop(0)])
             if until is not None and until():
@@ -415,19 +418,24 @@ class EpisodeStream(Outcomes):
         for (sid, _, budget, _), out, i in zip(chunks, outs, mine, strict=True):
             self._owner[sid], self._chunks[sid] = i, (out, budget)
 
-    def _close(self, episodes: Iterable[int]) -> None:
-        """Close the sessions of `episodes` that are open."""
-        sids = [self._sid[i] for i in episodes if self._sid[i] is not None]
+    def _close(self, episodes: Iterable[int] = ()) -> None:
+        """Close the open sessions of `episodes`, and those of the episodes that ended since the
+        last call (one `SessionEngine.close` for all: it walks every open session's state)."""
+        episodes = list(episodes)
+        sids = [self._sid[i] for i in episodes if self._sid[i] is not None] + self._ended
         for i in episodes:
             self._sid[i] = None
+        self._ended = []
         if sids:
             self.sessions.close(sids)
 
     def _follow(self, i: int, read: TurnCalls, results: list[ToolResult]) -> bool:
-        """`Outcomes._follow`, and an episode that ended frees its session."""
+        """`Outcomes._follow`; an episode that ended has its session closed with the others that
+        ended in the same step (`_close`)."""
         goes_on = super()._follow(i, read, results)
-        if not goes_on and self.sessions is not None:
-            self._close([i])
+        if not goes_on and self._sid[i] is not None:
+            self._ended.append(self._sid[i])
+            self._sid[i] = None
         return goes_on
 
     def _turn_ended(self, i: int, turn: Turn) -> None:
