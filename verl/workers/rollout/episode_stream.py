@@ -150,8 +150,18 @@ class ToolRuns:
 
 
 class Outcomes:
-    """What `EpisodeStream` and `GuidedEpisodes` share: an ended turn's outcome. Needs
-    `episodes`, `runtime`, `cut`, `limit` and `finished` on the instance."""
+    """What `EpisodeStream` and `GuidedEpisodes` share: an ended turn's record and outcome.
+    Needs `episodes`, `runtime`, `cut`, `limit`, `finished`, `_turns` and `_tools` (`ToolRuns`)
+    on the instance."""
+
+    def _record(self, i: int, turn: Turn) -> None:
+        """Append episode i's ended turn; start its calls, or end the episode."""
+        self.episodes[i].add_turn(turn.ids, **turn.slots)
+        read = self.runtime.read(turn.text, turn.reason, self._turns[i])
+        if read.answered:
+            self._tools.start(i, read)
+        else:
+            self._follow(i, read, [])
 
     def _follow(self, i: int, read: TurnCalls, results: list[ToolResult]) -> bool:
         """Episode i's outcome (`follow`); whether it goes on."""
@@ -447,12 +457,7 @@ class EpisodeStream(Outcomes):
         if self.versioned:
             versions = [version for ids, _, version in pieces for _ in ids]
             turn.slots[VERSION_SLOT] = versions[: len(turn.ids)]
-        self.episodes[i].add_turn(turn.ids, **turn.slots)
-        read = self.runtime.read(turn.text, turn.reason, self._turns[i])
-        if read.answered:
-            self._tools.start(i, read)
-        else:
-            self._follow(i, read, [])
+        self._record(i, turn)
 
     def _joined(self, pieces: list[tuple[list[int], list[float], int]], reason: str) -> Turn:
         """The pieces of an interrupted turn as one turn that ended for `reason` (its last

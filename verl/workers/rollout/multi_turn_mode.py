@@ -1,10 +1,11 @@
 """The multi-turn generation modes: tool-using episodes, the draft alone or guided.
 
-Token-in/token-out. Each turn of an episode is one request whose prompt is the episode's whole
-token sequence so far (prompt ids, every earlier turn's ids as sampled, every tool delta's ids);
-with prefix caching (`enable_prefix_caching`, on by default) vLLM reuses the KV cache of that
-prefix, so a turn computes only its new tokens. Nothing is re-rendered or re-tokenized: a turn's
-ids and their log-probs are kept exactly as sampled, the tool deltas are token ids from
+Token-in/token-out. An episode's context is its whole token sequence so far (prompt ids, every
+earlier turn's ids as sampled, every tool delta's ids). Each episode keeps a session on the draft
+engine from turn to turn (`vllm_sessions.SessionEngine`, `episode_sessions`), so a turn computes
+only its last token and the tool delta; a format whose stop strings need text runs a request per
+turn (the whole context each time). Nothing is re-rendered or re-tokenized: a turn's ids and
+their log-probs are kept exactly as sampled, the tool deltas are token ids from
 `multi_turn.deltas`. The modes, by the single-turn mode the call would use (`MULTI_TURN_MODES`):
 - "multi_turn" (draft_only): each turn sampled by the draft engine, ended at the format's stop
   strings: a one-character one (embedded's `]`) by the ids whose text holds it, so the engine
@@ -22,12 +23,13 @@ ids and their log-probs are kept exactly as sampled, the tool deltas are token i
 
 Episodes advance on their own: when an episode's turn ends, its calls run on a thread pool
 (`ToolRuns`) while the engines keep working on the others, and its next turn starts as soon as
-they returned. Draft-only (`EpisodeStream`): the next turn is a new request on the draft engine,
-which is stepped one step at a time (`vllm_engine.RequestStream`), so it always runs every episode
+they returned. Draft-only (`episode_stream.EpisodeStream`): the next turn is its session's next
+chunk on the draft engine, which is stepped one step at a time, so it always runs every episode
 that has a turn to generate. Guided (`GuidedEpisodes`): the episode resumes in its speculative
 batch under the same session ids (`SpeculativeBatch.resume`) and joins the batch's next round.
-Turn k of an episode is seeded from its own seeds and k alone (as the turn-by-turn loop seeds
-it), so its tokens do not depend on when its turns ran. An episode stops at EOS, a turn without a
+An episode's draws come from its own seeds alone (a draft session seeded once; a request per
+turn, or the guided acceptance draws, seeded by turn), so its tokens do not depend on when its
+turns ran. An episode stops at EOS, a turn without a
 call, `max_turns` or the budget (`follow`). The turn-by-turn loop (`run_episodes`: every active
 episode's turn in one engine call, then all their calls) is kept as the reference
 (`TURN_BARRIER_KEY`). `pack` lays the episodes out; tool tokens carry no policy slot (0) and
@@ -274,13 +276,7 @@ class GuidedEpisodes(Outcomes):
             i, seq = batch.ids[row], batch.seqs[row]
             self._at[i] = (key, batch, row)
             self.seqs.append(seq)
-            turn = guided_turn(self.ctx, self.runtime, seq, self.lam)
-            self.episodes[i].add_turn(turn.ids, **turn.slots)
-            read = self.runtime.read(turn.text, turn.reason, self._turns[i])
-            if read.answered:
-                self._tools.start(i, read)
-            else:
-                self._follow(i, read, [])
+            self._record(i, guided_turn(self.ctx, self.runtime, seq, self.lam))
 
     @property
     def waiting(self) -> bool:
