@@ -184,12 +184,24 @@ def piece_seed(seed: int, turn: int, piece: int) -> int:
     return int(state[0]) >> 1
 
 
+def chunk_tokens(chunk) -> tuple[list[int], list[float]]:
+    """A session chunk's (`vllm_sessions.ChunkOutput`) sampled tokens so far and the log-prob of
+    each (column 0 of its rows)."""
+    ids = [int(t) for t in chunk.token_ids]
+    return ids, np.concatenate(chunk.logprobs)[:, 0].tolist() if ids else []
+
+
+def session_capacity(sessions: SessionEngine, prompts: list[list[int]], limit: int) -> int:
+    """How many episodes of `prompts` and up to `limit` response tokens hold a draft session at
+    once (`SessionEngine.capacity`; one slot more for a turn's last sampled token)."""
+    return sessions.capacity(max(map(len, prompts)) + limit + 1)
+
+
 def session_turn(chunk, ctx: RolloutContext, runtime: MultiTurnRuntime, budget: int) -> Turn:
     """A draft session's finished chunk (`vllm_sessions.ChunkOutput`, at most `budget` tokens) as
     a `Turn`, its sampled log-probs as `rollout_log_probs`, ended for the reason vLLM's stop check
     gives first: EOS, a stop id (`runtime.stop_token_ids`: `tool_call`), the token limit."""
-    ids = [int(t) for t in chunk.token_ids]
-    log_probs = np.concatenate(chunk.logprobs)[:, 0].tolist() if ids else []
+    ids, log_probs = chunk_tokens(chunk)
     last = ids[-1] if ids else None
     if last is not None and not ctx.ignore_eos and last == ctx.eos_token_id:
         reason = "eos"
@@ -312,7 +324,7 @@ class EpisodeStream(Outcomes):
         n = len(self.prompts)
         cap = n
         if self.sessions is not None and n:
-            cap = self.sessions.capacity(max(map(len, self.prompts)) + self.limit + 1)
+            cap = session_capacity(self.sessions, self.prompts, self.limit)
         with self:
             self.admit(range(min(cap, n)))
             self.advance(waiting=list(range(min(cap, n), n)), cap=cap)
@@ -370,9 +382,7 @@ class EpisodeStream(Outcomes):
                 (o.request_id, *sampled_log_probs(o.outputs[0])) for o in self._stream.interrupt()
             ]
         else:
-            cut = [(sid, [int(t) for t in chunk.token_ids],
-                    np.concatenate(chunk.logprobs)[:, 0].tolist() if chunk.token_ids else [])
-                   for sid, (chunk, _) in sorted(self._chunks.items())]  # fmt: skip
+            cut = [(sid, *chunk_tokens(chunk)) for sid, (chunk, _) in sorted(self._chunks.items())]
             self._chunks.clear()
             self._close(range(len(self.prompts)))
         for key, ids, log_probs in cut:

@@ -56,6 +56,7 @@ from verl.workers.rollout.episode_stream import (
     Turn,
     draft_turn,
     follow,
+    session_capacity,
     session_turn,
     turn_params,
 )
@@ -326,9 +327,8 @@ def draft_episodes(ctx: RolloutContext, job: Job) -> tuple[list[Trajectory], lis
     runtime, seeds = ctx.multi_turn, job.seeds[:, 0]
     sessions = episode_sessions(ctx, job)
     if job.meta.get(TURN_BARRIER_KEY, False):
-        if sessions is not None and sessions.capacity(
-            max(map(len, job.prompts)) + ctx.max_tokens + 1
-        ) < len(job.prompts):
+        n = len(job.prompts)
+        if sessions is not None and session_capacity(sessions, job.prompts, ctx.max_tokens) < n:
             sessions = None  # turn by turn, every episode's session would be held at once
         turns = draft_turns(ctx, runtime, seeds, job.images, sessions)
         try:
