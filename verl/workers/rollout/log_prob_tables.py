@@ -134,6 +134,7 @@ class ListedRows:
     ids: np.ndarray
     log_probs: np.ndarray
     _deduped: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _mass: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     def deduped(self) -> np.ndarray:
         """`log_probs` (float64) with column 0's repeat among the top-K set to -inf (see
@@ -150,12 +151,18 @@ class ListedRows:
         taken = ListedRows(self.ids[rows], self.log_probs[rows])
         if self._deduped is not None:
             taken._deduped = self._deduped[rows]
+        if self._mass is not None:
+            taken._mass = self._mass[rows]
         return taken
 
     def topk_mass(self) -> np.ndarray:
         """(N,) Q = the probability mass of the top-K columns (the listed set S, column 0 left out:
-        it is the row's own token, not part of S unless it repeats a top-K entry)."""
-        return np.exp(self.log_probs[:, 1:].astype(np.float64)).sum(-1)
+        it is the row's own token, not part of S unless it repeats a top-K entry). Computed once
+        per rows object; read-only."""
+        if self._mass is None:
+            self._mass = np.exp(self.log_probs[:, 1:].astype(np.float64)).sum(-1)
+            self._mass.flags.writeable = False
+        return self._mass
 
     def tail_mass(self) -> np.ndarray:
         """(N,) probability mass outside the top-K columns: 1 - Q, >= 0."""
@@ -169,7 +176,12 @@ class ListedRows:
     def lookup(self, tokens: np.ndarray) -> np.ndarray:
         """Log-probs of `tokens` (N, M) in each row: (N, M), -inf where a token is not listed.
         O((K + M) log) per row (a sorted search, never an (N, M, K) comparison)."""
-        return _sorted_lookup(self.ids, self.log_probs.astype(np.float64), tokens)
+        return _sorted_lookup(self.ids, self.log_probs.astype(np.float64), tokens)[0]
+
+    def lookup_known(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(`lookup(tokens)`, `knows(tokens)`) from one search: (N, M) each."""
+        values, listed = _sorted_lookup(self.ids, self.log_probs.astype(np.float64), tokens)
+        return values, listed | self.lists_support()[:, None]
 
     def in_topk(self, tokens: np.ndarray) -> np.ndarray:
         """(N,) whether each row's token (N,) is one of its top-K columns (the listed set S)."""
@@ -188,7 +200,11 @@ class ListedRows:
     def knows(self, tokens: np.ndarray) -> np.ndarray:
         """(N, M) whether each row gives the probability of `tokens` (N, M): listed, or the row
         lists its whole support (an unlisted token then has probability exactly 0)."""
-        return _sorted_has(self.ids, tokens) | self.lists_support()[:, None]
+        if tokens.shape[-1] == 1:  # one token per row: a direct comparison, O(K) per row
+            listed = (tokens == self.ids).any(-1, keepdims=True)
+        else:
+            listed = _sorted_has(self.ids, tokens)
+        return listed | self.lists_support()[:, None]
 
     def topk(self) -> tuple[np.ndarray, np.ndarray]:
         """(N, K) ids and log-probs of the top-K columns, a repeat of column 0 read at column 0's
@@ -232,12 +248,14 @@ def _sorted_has(ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     return keys[at] == queries
 
 
-def _sorted_lookup(ids: np.ndarray, values: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """values[n, j] where ids[n, j] == tokens[n, m], -inf where absent: (N, M). A token listed
-    twice (column 0 repeating a top-K entry) reads the larger of its two values. O((NK + NM) log)
-    time and O(NK + NM) memory."""
+def _sorted_lookup(
+    ids: np.ndarray, values: np.ndarray, tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(values[n, j] where ids[n, j] == tokens[n, m], -inf where absent; whether it is present):
+    (N, M) each. A token listed twice (column 0 repeating a top-K entry) reads the larger of its
+    two values. O((NK + NM) log) time and O(NK + NM) memory."""
     if ids.size == 0 or tokens.size == 0:
-        return np.full(tokens.shape, NEG_INF)
+        return np.full(tokens.shape, NEG_INF), np.zeros(tokens.shape, dtype=bool)
     keys, order, queries = _flat_keys(ids, tokens)
     flat = values.ravel()[order]
     # a repeated token (column 0 again in the top-K) has the same value twice: take the larger
@@ -245,4 +263,4 @@ def _sorted_lookup(ids: np.ndarray, values: np.ndarray, tokens: np.ndarray) -> n
     left = np.searchsorted(keys, queries, side="left").clip(max=len(keys) - 1)
     hit = (right >= 0) & (keys[right.clip(min=0)] == queries)
     found = np.maximum(flat[right.clip(min=0)], flat[left])
-    return np.where(hit, found, NEG_INF)
+    return np.where(hit, found, NEG_INF), hit

@@ -228,21 +228,25 @@ class SpeculativeBatch:
         self.stats.sequence_rounds += len(num)
         self.stats.proposed += int(num_proposed.sum())
         self.stats.accepted += int(result.num_accepted.sum())
-        extra = self._bonus(result, num_proposed, bonus, uniforms[:, -1].numpy(), at)
-        entropy_bk = torch.from_numpy(_scatter(entropy, seq, pos, result.tokens.shape))
-        fields = (result.tokens, result.offpolicy, result.draft_log_probs, result.guidance_log_probs,
-                  result.target_log_probs, result.target_tv, result.lam, result.strength, entropy_bk)  # fmt: skip
-        columns = zip(*(f.tolist() for f in fields), result.num_emitted.tolist(), strict=True)
-        for i, (r, budget, (*values, emitted)) in enumerate(
-            zip(self._rows, self._budget, columns, strict=True)
-        ):
-            if emitted == 0:
-                raise RuntimeError(
-                    f"sequence {self.ids[r]}: the draft proposed no token (budget {budget})"
-                )
-            self._append(r, *(v[:emitted] for v in values))
-            if i in extra and not self.seqs[r].finished:
-                self._append(r, *([value] for value in extra[i]))
+        entropy_bk = _scatter(entropy, seq, pos, result.tokens.shape)
+        fields = [f.numpy() for f in (result.tokens, result.offpolicy, result.draft_log_probs,
+                  result.guidance_log_probs, result.target_log_probs, result.target_tv, result.lam,
+                  result.strength)] + [entropy_bk]  # fmt: skip
+        emitted = result.num_emitted.numpy()
+        counts = self._bonus(result, num_proposed, bonus, uniforms[:, -1].numpy(), at, fields)
+        if (emitted == 0).any():
+            i = int(np.flatnonzero(emitted == 0)[0])
+            raise RuntimeError(f"sequence {self.ids[self._rows[i]]}: the draft proposed no token "
+                               f"(budget {self._budget[i]})")  # fmt: skip
+        two_calls = self.stop is not None  # a stop rule sees the bonus token after the rest
+        for r, n, total, *values in zip(self._rows, emitted.tolist(), counts.tolist(),
+                                        *(f.tolist() for f in fields), strict=True):  # fmt: skip
+            if total == n or not two_calls:  # one append: only an EOS can drop the bonus token
+                self.stats.bonus += self._append(r, *(v[:total] for v in values)) > n
+                continue
+            self._append(r, *(v[:n] for v in values))
+            if not self.seqs[r].finished:
+                self._append(r, *(v[n:total] for v in values))
                 self.stats.bonus += 1
         self.ended = [r for r in self._rows if self.seqs[r].finished]
 
@@ -257,9 +261,11 @@ class SpeculativeBatch:
             if len(rows)
             else np.zeros(0, dtype=np.int64)
         )
-        scale = self.lam_scale[seqs]
+        scale, prefix = self.lam_scale[seqs], self.prefix[seqs]
+        if self.gate is None and (scale == 1.0).all() and not prefix.any():
+            return float(self.lam)  # no position can be in a prefix: positions are >= 0
         positions = np.array([len(self.seqs[r].tokens) for r in seqs], dtype=np.int64) + offsets
-        prefixed = positions < self.prefix[seqs]
+        prefixed = positions < prefix
         if self.gate is None and (scale == 1.0).all() and not prefixed.any():
             return float(self.lam)
         gate = np.ones(len(rows)) if self.gate is None else self.gate(entropy)
@@ -304,16 +310,20 @@ class SpeculativeBatch:
         bonus: BonusRows | None,
         u: np.ndarray,
         probe: DraftProbe | None,
-    ) -> dict[int, tuple]:
-        """Bonus tokens by round row: (token, off-policy, log p, log q, log q̃, tv, λ'_t, λ_t, H_t) where every
-        proposal was accepted and the draft drafted a lookahead. The uniform is the residual's
-        column, which a round without rejection leaves unused."""
+        fields: list[np.ndarray],
+    ) -> np.ndarray:
+        """Bonus tokens where every proposal was accepted and the draft drafted a lookahead: each
+        of `fields` (B, k) (token, off-policy, log p, log q, log q̃, tv, λ'_t, λ_t, H_t) widened in
+        place to (B, k + 1) with the bonus token's value after the emitted ones; returns the
+        tokens per row with it (B,). The uniform is the residual's column, which a round without
+        rejection leaves unused."""
+        emitted = result.num_emitted.numpy()
         if bonus is None or not bonus.has.any():
-            return {}
+            return emitted
         full = bonus.has & (result.num_accepted == num).numpy()
         rows = np.flatnonzero(full)
         if not len(rows):
-            return {}
+            return emitted
         at = (np.cumsum(bonus.has) - 1)[rows]  # the lookahead rows of those sequences
         n = num.numpy()
         lookahead = bonus.draft.take(at)
@@ -323,25 +333,16 @@ class SpeculativeBatch:
         drawn = draw_bonus(lookahead, guidance, lam, u[rows],
                            None if probe is None else lambda i, t: probe(rows[i], n[rows[i]], t), tv_lam)  # fmt: skip
         drawn["entropy"] = entropy
-        names = (
-            "tokens",
-            "offpolicy",
-            "log_p",
-            "log_q",
-            "log_t",
-            "tv",
-            "lam",
-            "strength",
-            "entropy",
-        )
-        return {
-            int(r): values
-            for r, *values in zip(rows, *(drawn[k].tolist() for k in names), strict=True)
-        }
-
-    def _append(self, r: int, tokens: list, *values: list) -> None:
+        names = ("tokens", "offpolicy", "log_p", "log_q", "log_t", "tv", "lam", "strength", "entropy")
+        for i, name in enumerate(names):
+            fields[i] = np.concatenate([fields[i], np.zeros_like(fields[i][:, :1])], axis=1)
+            fields[i][rows, emitted[rows]] = drawn[name]
+        return emitted + full
+    def _append(self, r: int, tokens: list, *values: list) -> int:
         """Append emitted tokens and their (off-policy, log p, log q, log q̃, tv, λ'_t, λ_t, H_t) to
-        sequence r, ending it at EOS, at `stop` or at its `max_new_tokens`."""
+        sequence r, ending it at EOS, at `stop` or at its `max_new_tokens`; returns how many it
+        kept. Without `stop`, a round's proposals and its bonus token go in one call: the bonus
+        is drafted only with room for it, so only an EOS before it can drop it."""
         seq = self.seqs[r]
         if self.eos_token_id in tokens:
             end = tokens.index(self.eos_token_id) + 1
@@ -368,6 +369,7 @@ class SpeculativeBatch:
         self.stats.emitted += len(tokens)
         if len(seq.tokens) >= self.limits[r]:
             seq.finished = True
+        return len(tokens)
 
 
 def _row_entropy(tables: torch.Tensor | TopK | ListedRows, num: torch.Tensor) -> np.ndarray:

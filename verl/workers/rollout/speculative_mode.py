@@ -186,9 +186,10 @@ class GuidanceScorer:
         """Ask the guidance process for its log-prob tables at the proposal positions (no wait):
         the proposals of a prefix of length L are rows L-1 .. L+n-2, and the session recomputes
         from position L-1 on (`recompute_from`)."""
-        chunks = [(f"{self.prefix}{i}", prefix + proposals[row, : num[row]].tolist(), 1, len(prefix) - 1)
-                  for row, (i, prefix) in enumerate(zip(ids, prefixes, strict=True))]  # fmt: skip
-        rows = [(len(prefix) - 1, int(n)) for prefix, n in zip(prefixes, num, strict=True)]
+        counts = num.tolist()  # lists: slicing a tensor row by row costs more than the rest
+        chunks = [(f"{self.prefix}{i}", prefix + row[:n], 1, len(prefix) - 1)
+                  for i, prefix, row, n in zip(ids, prefixes, proposals.tolist(), counts, strict=True)]  # fmt: skip
+        rows = [(len(prefix) - 1, n) for prefix, n in zip(prefixes, counts, strict=True)]
         self.channel.submit("score", chunks, rows, self.num_logprobs, self.processing)
         self.counters.submitted += sum(len(tokens) for _, tokens, *_ in chunks)
         self.in_flight += 1

@@ -250,9 +250,7 @@ def _residual_listed(
     Returns y, log p(y), log q̃(y), (R,) each."""
     candidates = guidance.ids[at, 1:]  # (R, K): S; only tokens with q̃ > 0 can have q̃ > p
     log_t_c = guidance.log_probs[at, 1:].astype(np.float64) - log_mass[:, None]
-    rows_at = draft.take(at)
-    known = rows_at.knows(candidates)
-    log_p_c = rows_at.lookup(candidates)  # -inf where unknown
+    log_p_c, known = draft.take(at).lookup_known(candidates)  # log p -inf where unknown
     pick = np.zeros(len(at), dtype=np.int64)
     exact = known.all(-1)  # the draft's row gives p on all of S: the residual by inverse CDF
     pick[exact] = _inverse_cdf(_residual(log_t_c[exact], log_p_c[exact]), uniforms[exact])
