@@ -333,11 +333,22 @@ class SpeculativeBatch:
         drawn = draw_bonus(lookahead, guidance, lam, u[rows],
                            None if probe is None else lambda i, t: probe(rows[i], n[rows[i]], t), tv_lam)  # fmt: skip
         drawn["entropy"] = entropy
-        names = ("tokens", "offpolicy", "log_p", "log_q", "log_t", "tv", "lam", "strength", "entropy")
+        names = (
+            "tokens",
+            "offpolicy",
+            "log_p",
+            "log_q",
+            "log_t",
+            "tv",
+            "lam",
+            "strength",
+            "entropy",
+        )
         for i, name in enumerate(names):
             fields[i] = np.concatenate([fields[i], np.zeros_like(fields[i][:, :1])], axis=1)
             fields[i][rows, emitted[rows]] = drawn[name]
         return emitted + full
+
     def _append(self, r: int, tokens: list, *values: list) -> int:
         """Append emitted tokens and their (off-policy, log p, log q, log q̃, tv, λ'_t, λ_t, H_t) to
         sequence r, ending it at EOS, at `stop` or at its `max_new_tokens`; returns how many it
