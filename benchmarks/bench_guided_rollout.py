@@ -529,19 +529,22 @@ def cost_model_section(runs, baselines, times, meta, lookup_s, parts: CostParts,
         m = meta[name]
         rejections = max(1, m["emitted_tokens"] - m["accepted_tokens"] - m["bonus_tokens"])
         model = guided_cost.Parts(*engines, statistics.median(lookup_s[name]) / rejections,
-                                  args.response, groups)  # fmt: skip
+                                  args.response, groups, len(parts.ids))  # fmt: skip
         per_round = guided_cost.measured_tokens_per_round(m["emitted_tokens"], m["sequence_rounds"])
         alpha = guided_cost.effective_alpha(per_round, k, bonus)  # the measured tokens per round
         measured = statistics.median(times[base])
         ratio = statistics.median(times[name]) / measured
-        seq, ovl = (guided_cost.guided_seconds(model, alpha, k, bonus, s, count) / measured
+        seq, ovl = (guided_cost.guided_seconds(model, alpha, k, bonus, s, count, slowest=True) / measured
                     for s, count in (("sequential", 1), ("overlapped", g)))  # fmt: skip
-        best, best_k, schedule, best_g = guided_cost.floor(model, alpha, bonus)
+        best, best_k, schedule, best_g = guided_cost.floor(model, alpha, bonus, slowest=True)
+        mean, mean_k, mean_schedule, mean_g = guided_cost.floor(model, alpha, bonus)
         loose, loose_k, loose_schedule = guided_cost.perfect_overlap_floor(model, alpha, bonus)
         check = guided_cost.draft_only_seconds(draft_only[base], args.response)
         print(f"{name}: measured {ratio:.2f}x; model {seq:.2f}x sequential, {ovl:.2f}x overlapped in {g} groups; "
-              f"floor {best / measured:.2f}x (k={best_k}, {schedule}, G={best_g}); "
-              f"measured / floor {ratio * measured / best:.2f}x (the earlier model's perfect overlap: floor "
+              f"floor {best / measured:.2f}x (k={best_k}, {schedule}, G={best_g}; rounds until the slowest of "
+              f"{len(parts.ids)} sequences ends); measured / floor {ratio * measured / best:.2f}x (the mean rounds "
+              f"L / E[N]: floor {mean / measured:.2f}x, k={mean_k}, {mean_schedule}, G={mean_g}, measured / it "
+              f"{ratio * measured / mean:.2f}x; the earlier model's perfect overlap: floor "
               f"{loose / measured:.2f}x, k={loose_k}, {loose_schedule}; measured / it {ratio * measured / loose:.2f}x); "
               f"{per_round:.2f} tokens per sequence-round, effective alpha {alpha:.3f} (accepted / proposed "
               f"{m['accept_rate']:.3f}, which would give {guided_cost.tokens_per_round(m['accept_rate'], k, bonus):.2f}); "

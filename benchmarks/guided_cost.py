@@ -24,10 +24,18 @@ Seconds of one round, each engine doing its own work:
     answers each group's call on its own; a group's next proposals need its verification, which
     needs its k-th proposal, while its lookahead step runs beside the call.)
 Guided rollout: P_d + P_v + (L / E[N]) · round; draft-only: P_d + (L - 1)·t_d(B).
+A batch, though, runs until its slowest sequence ends, and its last rounds hold fewer sequences
+(`slowest`): with p_r the probability that one sequence still generates at round r (its tokens
+after each round by their distribution: budget min(k, left), a bonus token only with room past
+k), the batch runs round r with probability s_r = 1 - (1 - p_r)^B, holding n_r = B·p_r / s_r
+sequences on average then, and costs P_d + P_v + Σ_r s_r · round(n_r), each engine's step and
+calls taken linear in the sequences between the sizes timed (`Parts.at`).
 The floor is the best of the schedules at the best k and G for the measured α, with engine time
 only (no Python, no scheduling between calls, no step waiting for another): a lower bound,
 since t_d(n) ≤ the cost of any step that holds the group and D counts every step as one over all
-B sequences.
+B sequences. Counting the slowest sequence keeps it one: acceptances taken independent spread
+the sequences' rounds less than correlated ones do, and a round's cost, a maximum of costs
+linear in its sequences, is at least its cost at their expected number (Jensen).
 
 Everything here is plain arithmetic on measured seconds, so it is unit tested
 (tests/benchmarks/test_guided_cost.py); bench_guided_rollout.py times the parts in the same run.
@@ -35,6 +43,7 @@ Everything here is plain arithmetic on measured seconds, so it is unit tested
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -94,6 +103,56 @@ class Engine:
         return max(0.0, self.verify[lo] + slope * (m - lo))
 
 
+@functools.lru_cache(maxsize=256)  # the floor asks for each k under every schedule
+def round_survival(alpha: float, k: int, bonus: bool, length: int) -> np.ndarray:
+    """(R,) p_r, r = 1..R: the probability that one sequence still generates at round r, each
+    proposal accepted independently with probability `alpha`; a round proposes min(k, left)
+    tokens and drafts a bonus token only with room past k (`SpeculativeBatch.next_round`). From
+    the distribution of the tokens it has after each round; R is the last round with p_r > 1e-12."""
+    if not 0.0 <= alpha <= 1.0 or k < 1 or length < 1:
+        raise ValueError(
+            f"round_survival: alpha={alpha} in [0, 1], k={k} >= 1, length={length} >= 1"
+        )
+    tokens = np.zeros(length + 1)  # tokens[t]: probability of t tokens so far (length: ended)
+    tokens[0] = 1.0
+    survival = []
+    while tokens[:length].sum() > 1e-12:
+        survival.append(tokens[:length].sum())
+        after = np.zeros(length + 1)
+        after[length] = tokens[length]
+        for t in np.flatnonzero(tokens[:length]):
+            left = length - t
+            budget = min(k, left)
+            for j in range(budget):  # j accepted, then the residual token: j + 1
+                after[t + j + 1] += tokens[t] * alpha**j * (1.0 - alpha)
+            after[t + budget + int(bonus and left > k)] += tokens[t] * alpha**budget
+        tokens = after
+    survival = np.array(survival)
+    survival.flags.writeable = False  # cached: shared by every caller
+    return survival
+
+
+def active_per_round(
+    alpha: float, k: int, bonus: bool, length: int, batch: int
+) -> list[tuple[float, float]]:
+    """Per round r of `batch` independent sequences (`round_survival`'s p_r): (s_r, n_r), the
+    probability that the batch still runs it, 1 - (1 - p_r)^B, and the sequences it then holds
+    on average, B·p_r / s_r."""
+    p = round_survival(alpha, k, bonus, length)
+    some = 1.0 - (1.0 - p) ** batch
+    return [(float(s), float(batch * q / s)) for s, q in zip(some, p) if s > 0.0]
+
+
+def _line(sizes: list[float], values: list[float], n: float) -> float:
+    """A cost at n sequences, linear between the `sizes` timed and past them along the nearest
+    segment, never below 0; one size: proportional to n (below an affine cost a + b·n, a >= 0)."""
+    if len(sizes) == 1:
+        return values[0] * n / sizes[0]
+    i = int(np.clip(np.searchsorted(sizes, n) - 1, 0, len(sizes) - 2))
+    slope = (values[i + 1] - values[i]) / (sizes[i + 1] - sizes[i])
+    return max(0.0, values[i] + slope * (n - sizes[i]))
+
+
 @dataclass
 class Parts:
     """The measured parts of one setting: the draft and the guidance engines with the cores
@@ -108,6 +167,9 @@ class Parts:
     lookup_per_rejection: float
     length: int
     groups: dict[int, tuple[Engine, Engine]] = field(default_factory=dict)
+    batch: int = 0
+    """B, the sequences the whole-batch engines were timed over (0: not known; `at` and
+    `slowest` need it)."""
 
     def group(self, g: int) -> tuple[Engine, Engine]:
         """(draft, guidance) over one of `g` groups, cores split (G = 1: the whole batch)."""
@@ -116,6 +178,39 @@ class Parts:
         if g not in self.groups:
             raise ValueError(f"groups={g}: timed for {sorted({1, *self.groups})}")
         return self.groups[g]
+
+    def at(self, n: float) -> Parts:
+        """The parts of a round holding n of the B sequences: each engine's step and calls at n
+        (a group's at n/G), linear in the sequences between the sizes timed (`_line`: B with the
+        cores split, B/G in `groups`); the engines with every core scaled as the split ones."""
+        if self.batch < 1:
+            raise ValueError("Parts.at needs the batch size the engines were timed over (batch)")
+        timed = sorted([(self.batch, self.draft_split, self.guidance_split)]
+                       + [(self.batch / g, d, v) for g, (d, v) in self.groups.items()])  # fmt: skip
+        sizes = [size for size, *_ in timed]
+        ms = sorted(set.intersection(*(set(v.verify) for *_, v in timed)))
+
+        def draft(x: float) -> Engine:
+            return Engine(self.draft_split.prefill, _line(sizes, [d.step for _, d, _ in timed], x))
+
+        def guidance(x: float) -> Engine:
+            return Engine(self.guidance_split.prefill,
+                          verify={m: _line(sizes, [v.verify[m] for *_, v in timed], x) for m in ms})  # fmt: skip
+
+        d, v = draft(n), guidance(n)
+        d_full = Engine(
+            self.draft_full.prefill, self.draft_full.step * _ratio(d.step, self.draft_split.step)
+        )
+        v_full = Engine(self.guidance_full.prefill, verify={m: self.guidance_full.verify_s(m) * _ratio(
+            v.verify[m], self.guidance_split.verify_s(m)) for m in ms})  # fmt: skip
+        groups = {g: (draft(n / g), guidance(n / g)) for g in self.groups}
+        return Parts(
+            d, d_full, v, v_full, self.lookup_per_rejection, self.length, groups, self.batch
+        )
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else 1.0
 
 
 SCHEDULES = ("sequential", "overlapped")
@@ -156,11 +251,23 @@ def _rollout(
 
 
 def guided_seconds(
-    parts: Parts, alpha: float, k: int, bonus: bool, schedule: str, groups: int = 1
+    parts: Parts,
+    alpha: float,
+    k: int,
+    bonus: bool,
+    schedule: str,
+    groups: int = 1,
+    slowest: bool = False,
 ) -> float:
-    """Predicted seconds of the guided rollout: P_d + P_v + (L / E[N]) · round."""
-    per_round = round_seconds(parts, alpha, k, bonus, schedule, groups)
-    return _rollout(parts, alpha, k, bonus, schedule, per_round)
+    """Predicted seconds of the guided rollout: P_d + P_v + (L / E[N]) · round, or with `slowest`
+    P_d + P_v + Σ_r s_r · round(n_r), the rounds until the batch's slowest sequence ends
+    (`active_per_round`, `Parts.at`)."""
+    if not slowest:
+        per_round = round_seconds(parts, alpha, k, bonus, schedule, groups)
+        return _rollout(parts, alpha, k, bonus, schedule, per_round)
+    rounds = active_per_round(alpha, k, bonus, parts.length, parts.batch)
+    work = sum(s * round_seconds(parts.at(n), alpha, k, bonus, schedule, groups) for s, n in rounds)
+    return _rollout(parts, alpha, k, bonus, schedule, 0.0) + work
 
 
 def draft_only_seconds(draft_full: Engine, length: int) -> float:
@@ -169,13 +276,15 @@ def draft_only_seconds(draft_full: Engine, length: int) -> float:
 
 
 def floor(
-    parts: Parts, alpha: float, bonus: bool, ks: range = range(1, 13)
+    parts: Parts, alpha: float, bonus: bool, ks: range = range(1, 13), slowest: bool = False
 ) -> tuple[float, int, str, int]:
     """(seconds, k, schedule, G) of the cheapest schedule at the best k and number of groups G
-    (those timed in `parts`) for acceptance `alpha`."""
+    (those timed in `parts`) for acceptance `alpha`; `slowest` as `guided_seconds`'."""
     shapes = [("sequential", 1)] + [("overlapped", g) for g in sorted({1, *parts.groups})]
     return min(
-        (guided_seconds(parts, alpha, k, bonus, s, g), k, s, g) for k in ks for s, g in shapes
+        (guided_seconds(parts, alpha, k, bonus, s, g, slowest), k, s, g)
+        for k in ks
+        for s, g in shapes
     )
 
 

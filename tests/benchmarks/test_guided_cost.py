@@ -165,3 +165,106 @@ def test_median_engine_takes_each_field_on_its_own():
     assert C.median_engine(timings) == C.Engine(
         prefill=0.02, step=0.005, verify={2: 0.010, 3: 0.012}
     )
+
+
+def test_round_survival_by_hand():
+    # L = 3, k = 1, α = .5, bonus: round 1 gives 1 token (.5, rejected: the residual) or 2 (.5,
+    # accepted plus the bonus: 3 left > k); from 1 token, 1 or 2 again (2 left > k), so after
+    # round 2: 2 tokens w.p. .25 and 3 w.p. .75 (from 2: 1 left, no bonus, always 1 token).
+    # p_r = P(still generating at round r): 1, 1, .25; their sum 2.25 = E[rounds] = 2·.75 + 3·.25
+    assert C.round_survival(0.5, 1, True, 3) == pytest.approx([1.0, 1.0, 0.25], abs=1e-12)
+    # without the bonus token a round of k = 1 always gives one token: three rounds
+    assert C.round_survival(0.5, 1, False, 3) == pytest.approx([1.0, 1.0, 1.0], abs=1e-12)
+    # every proposal accepted, k = 2: 3 tokens a round while 3 < left, then what is left
+    assert C.round_survival(1.0, 2, True, 6).tolist() == [1.0, 1.0]
+    assert C.round_survival(1.0, 2, True, 5).tolist() == [1.0, 1.0]
+    assert C.round_survival(0.0, 4, True, 4).tolist() == [1.0] * 4  # the residual alone, 1 a round
+    with pytest.raises(ValueError, match="alpha=1.5"):
+        C.round_survival(1.5, 2, True, 8)
+
+
+def test_round_survival_matches_simulated_sequences():
+    """20,000 sequences of i.i.d. acceptances (α = .7, k = 3, L = 20, bonus): the share still
+    generating at each round is within 4 standard errors (at most .0036) of p_r."""
+    rng = np.random.default_rng(1)
+    alpha, k, length, n = 0.7, 3, 20, 20_000
+    rounds = np.zeros(n, dtype=int)
+    for i in range(n):
+        t = 0
+        while t < length:
+            left = length - t
+            budget = min(k, left)
+            accepted = int((rng.random(budget) < alpha).cumprod().sum())
+            t += accepted + 1 if accepted < budget else budget + int(left > k)
+            rounds[i] += 1
+    p = C.round_survival(alpha, k, True, length)
+    share = np.array([(rounds >= r).mean() for r in range(1, len(p) + 1)])
+    se = np.sqrt(p * (1 - p) / n)
+    assert (np.abs(share - p) <= 4 * se + 1e-12).all()
+    assert (rounds <= len(p)).all()
+
+
+def test_active_per_round_by_hand():
+    # p = 1, 1, .25 (above) for two sequences: the batch runs round 3 w.p. 1 - .75² = .4375,
+    # holding 2 · .25 / .4375 = 1.142857 sequences on average then
+    rounds = C.active_per_round(0.5, 1, True, 3, 2)
+    assert rounds == [(1.0, 2.0), (1.0, 2.0), (pytest.approx(0.4375), pytest.approx(8 / 7))]
+
+
+def test_parts_at_fewer_sequences_by_hand():
+    p = C.Parts(**{**parts().__dict__, "batch": 64})
+    # timed at 16 (G = 4: step .0017, call .006), 32 (G = 2: .0018, .008) and 64 (.002, .012);
+    # at 48: step .0018 + 16 · .0002 / 32 = .0019, call .008 + 16 · .004 / 32 = .010
+    at = p.at(48)
+    assert at.draft_split.step == pytest.approx(0.0019, abs=1e-12)
+    assert at.guidance_split.verify == {5: pytest.approx(0.010, abs=1e-12)}
+    # one of 2 groups, 24: .0017 + 8 · .0001 / 16 = .00175 and .006 + 8 · .002 / 16 = .007; one
+    # of 4, 12, below the sizes timed, along the first segment: .0017 - 4 · .0001 / 16 = .001675
+    assert at.groups[2][0].step == pytest.approx(0.00175, abs=1e-12)
+    assert at.groups[2][1].verify[5] == pytest.approx(0.007, abs=1e-12)
+    assert at.groups[4][0].step == pytest.approx(0.001675, abs=1e-12)
+    assert at.groups[4][1].verify[5] == pytest.approx(0.0055, abs=1e-12)
+    # every core, scaled as the split ones: .0015 · .0019 / .002 and .007 · .010 / .012
+    assert at.draft_full.step == pytest.approx(0.001425, abs=1e-12)
+    assert at.guidance_full.verify[5] == pytest.approx(0.007 * 10 / 12, abs=1e-12)
+    assert p.at(64).draft_split.step == pytest.approx(0.002, abs=1e-12)  # the size timed
+    with pytest.raises(ValueError, match="batch size"):
+        parts().at(32)
+
+
+def test_guided_seconds_until_the_slowest_sequence_by_hand():
+    # B = 2, L = 3, k = 1, α = .5, bonus: rounds (1, 2), (1, 2), (.4375, 8/7) (above). Timed at
+    # 2 sequences (step .002, call .006) and at 1 (G = 2: .001, .004): at n, .001·n and
+    # .004 + .002·(n - 1)
+    p = C.Parts(
+        draft_split=C.Engine(prefill=0.01, step=0.002),
+        draft_full=C.Engine(prefill=0.008, step=0.0015),
+        guidance_split=C.Engine(prefill=0.02, verify={2: 0.006}),
+        guidance_full=C.Engine(prefill=0.009, verify={2: 0.005}),
+        lookup_per_rejection=0.0,
+        length=3,
+        groups={2: (C.Engine(prefill=0.0, step=0.001), C.Engine(prefill=0.0, verify={2: 0.004}))},
+        batch=2,
+    )
+    # overlapped, one group, n = 2: D = 2 · .002, calls .006, chain .002 + .006 = .008;
+    # n = 8/7: chain .0011429 + .0042857 = .0054286. .01 + .02 + 2 · .008 + .4375 · .0054286
+    assert C.guided_seconds(p, 0.5, 1, True, "overlapped", 1, slowest=True) == pytest.approx(
+        0.048375, abs=1e-9
+    )
+    # the mean rounds, 3 / 1.5 = 2, at .008: .046, below
+    assert C.guided_seconds(p, 0.5, 1, True, "overlapped", 1) == pytest.approx(0.046, abs=1e-12)
+    # sequential, every core: n = 2: 2 · .0015 + .005 = .008; n = 8/7: 2 · .0015 · (8/7 · .001)
+    # / .002 + .005 · .0042857 / .006 = .0017143 + .0035714 = .0052857; .017 + .016 + .0023125
+    assert C.guided_seconds(p, 0.5, 1, True, "sequential", slowest=True) == pytest.approx(
+        0.0353125, abs=1e-9
+    )
+
+
+def test_the_slowest_sequence_floor_is_above_the_mean_rounds_floor():
+    p = C.Parts(**{**parts().__dict__, "batch": 64})
+    assert C.floor(p, 0.5, True, slowest=True)[0] > C.floor(p, 0.5, True)[0]
+    # one sequence alone still pays the rounds past the mean: E[rounds] >= L / E[N]
+    one = C.Parts(**{**parts().__dict__, "batch": 1, "groups": {}})
+    assert C.guided_seconds(one, 0.5, 4, True, "sequential", slowest=True) > C.guided_seconds(
+        one, 0.5, 4, True, "sequential"
+    )
