@@ -552,7 +552,8 @@ def cost_model_section(runs, baselines, times, meta, lookup_s, parts: CostParts,
         d_split, d_full, g_split, g_full = engines
         print(f"  parts (medians of {len(parts.timings[parts.key(engine)])} timings; split {split} / full {DEFAULT_THREADS} "
               f"threads): draft step {d_split.step * 1e3:.2f} / {d_full.step * 1e3:.2f} ms (draft-only "
-              f"{draft_only[base].step * 1e3:.2f} ms), prefill {d_split.prefill:.3f} / {d_full.prefill:.3f} s; guidance call of m positions "
+              f"{draft_only[base].step * 1e3:.2f} ms), prefill {d_split.prefill:.3f} / {d_full.prefill:.3f} s; guidance prefill "
+              f"{g_split.prefill:.3f} / {g_full.prefill:.3f} s, call of m positions "
               + ", ".join(f"m={x}: {g_split.verify[x] * 1e3:.1f} / {g_full.verify[x] * 1e3:.1f} ms" for x in sorted(g_split.verify))
               + f"; lookups {model.lookup_per_rejection * 1e3:.2f} ms per rejection")  # fmt: skip
         for count, (d_n, g_n) in sorted(groups.items()):

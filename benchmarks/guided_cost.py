@@ -23,12 +23,13 @@ Seconds of one round, each engine doing its own work:
     (the draft's steps merge every proposing group's, so D is its least work; the guidance
     answers each group's call on its own; a group's next proposals need its verification, which
     needs its k-th proposal, while its lookahead step runs beside the call.)
-Guided rollout: P_d + P_v + (L / E[N]) · round; draft-only: P_d + (L - 1)·t_d(B).
+Guided rollout: P + (L / E[N]) · round, P = P_d + P_v sequential and max(P_d, P_v) overlapped
+(the guidance reads the prompts while the draft does); draft-only: P_d + (L - 1)·t_d(B).
 A batch, though, runs until its slowest sequence ends, and its last rounds hold fewer sequences
 (`slowest`): with p_r the probability that one sequence still generates at round r (its tokens
 after each round by their distribution: budget min(k, left), a bonus token only with room past
 k), the batch runs round r with probability s_r = 1 - (1 - p_r)^B, holding n_r = B·p_r / s_r
-sequences on average then, and costs P_d + P_v + Σ_r s_r · round(n_r), each engine's step and
+sequences on average then, and costs P + Σ_r s_r · round(n_r), each engine's step and
 calls taken linear in the sequences between the sizes timed (`Parts.at`).
 The floor is the best of the schedules at the best k and G for the measured α, with engine time
 only (no Python, no scheduling between calls, no step waiting for another): a lower bound,
@@ -242,11 +243,12 @@ def _draft_work(parts: Parts, alpha: float, k: int, bonus: bool) -> float:
 def _rollout(
     parts: Parts, alpha: float, k: int, bonus: bool, schedule: str, per_round: float
 ) -> float:
-    """P_d + P_v + (L / E[N]) · `per_round`, the prefills as `schedule` runs them."""
+    """P + (L / E[N]) · `per_round`, the prefills P as `schedule` runs them: one engine after the
+    other (sequential), or both at once on their own cores (overlapped: max(P_d, P_v))."""
     if schedule == "sequential":
         prefills = parts.draft_full.prefill + parts.guidance_full.prefill
-    else:
-        prefills = parts.draft_split.prefill + parts.guidance_split.prefill
+    else:  # each engine reads the prompts on its own cores, at once (`GuidanceScorer.warm`)
+        prefills = max(parts.draft_split.prefill, parts.guidance_split.prefill)
     return prefills + parts.length / tokens_per_round(alpha, k, bonus) * per_round
 
 
@@ -259,8 +261,8 @@ def guided_seconds(
     groups: int = 1,
     slowest: bool = False,
 ) -> float:
-    """Predicted seconds of the guided rollout: P_d + P_v + (L / E[N]) · round, or with `slowest`
-    P_d + P_v + Σ_r s_r · round(n_r), the rounds until the batch's slowest sequence ends
+    """Predicted seconds of the guided rollout: P + (L / E[N]) · round, or with `slowest`
+    P + Σ_r s_r · round(n_r), the rounds until the batch's slowest sequence ends
     (`active_per_round`, `Parts.at`)."""
     if not slowest:
         per_round = round_seconds(parts, alpha, k, bonus, schedule, groups)

@@ -144,6 +144,8 @@ def run_rounds(
     )
     stagger = -(-guidance.num_speculative_tokens // len(batches))  # spread over one round
     try:
+        for batch in batches:  # the guidance reads the prompts while the draft proposes
+            scorer.warm(batch.ids, batch.prompts)
         overlapped_generate(batches, draft, scorer, stagger, refill)
     except BaseException:
         scorer.drain()
@@ -179,6 +181,28 @@ class GuidanceScorer:
         self.channel, self.prefix, self.num_logprobs = channel, prefix, num_logprobs
         self.processing, self.counters = processing, counters
         self.in_flight = 0  # rounds submitted and not yet collected
+        self.warming = 0  # `warm` requests not yet answered (answered before any round)
+
+    def warm(self, ids: list[int], prefixes: list[list[int]]) -> None:
+        """Have the guidance compute its sessions' KV cache up to each prefix's last token now
+        (no wait, no rows kept): the first round's scoring then computes only that token and the
+        proposals, and the prefill runs while the draft proposes. The KV cache holds the same
+        values whichever call computes it, so the rows do not change. A one-token prefix has
+        nothing before its last token (and a session must keep one token), so it is left out."""
+        chunks = [(f"{self.prefix}{i}", list(prefix), 1, len(prefix) - 1)
+                  for i, prefix in zip(ids, prefixes, strict=True) if len(prefix) > 1]  # fmt: skip
+        if not chunks:
+            return
+        rows = [(len(tokens) - 1, 0) for _, tokens, *_ in chunks]
+        self.channel.submit("score", chunks, rows, self.num_logprobs, self.processing)
+        self.warming += 1
+
+    def _warmed(self, wait: bool) -> None:
+        """Read the answers of `warm` requests (the oldest ones on the channel): those already
+        in, or with `wait` all of them."""
+        while self.warming and (wait or self.channel.ready()):
+            self.warming -= 1
+            self.counters.computed += self.channel.result()[2]
 
     def submit(
         self, ids: list[int], prefixes: list[list[int]], proposals: torch.Tensor, num: torch.Tensor
@@ -195,12 +219,14 @@ class GuidanceScorer:
         self.in_flight += 1
 
     def ready(self) -> bool:
-        return self.channel.ready()
+        self._warmed(wait=False)
+        return not self.warming and self.channel.ready()
 
     def collect(self) -> tuple[ListedRows, ListedRows]:
         """The guidance's listed log-probs of the oldest round submitted, one row per proposal,
         and one row per sequence one position past its last proposal (for a bonus token), both
         processed like the draft's."""
+        self._warmed(wait=True)
         self.in_flight -= 1
         (ids, values), (next_ids, next_values), computed = self.channel.result()
         self.counters.computed += computed
@@ -212,8 +238,11 @@ class GuidanceScorer:
         """After an error: collect the answers still in flight, so the engine stays usable and
         its sessions can be freed (best effort: the error being raised is the one that matters)."""
         with suppress(RuntimeError):
-            while self.in_flight:
-                self.in_flight -= 1
+            while self.in_flight or self.warming:
+                if self.warming:
+                    self.warming -= 1
+                else:
+                    self.in_flight -= 1
                 self.channel.result()
 
 
