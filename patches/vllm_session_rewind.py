@@ -24,11 +24,13 @@ And, for every request (same results, one batch instead of a loop):
    for all requests of a step, instead of once per request (with a few tokens per request and
    hundreds of requests, the loop cost more than the forward), and writes their rows into one
    buffer per column count that each request's tensors are views of (kept across steps while a
-   prompt is chunked). Two opt-in extensions, by `extra_args`: `PROCESS_KEY` processes a
+   prompt is chunked). Opt-in extensions, by `extra_args`: `PROCESS_KEY` processes a
    request's prompt rows with its own temperature, top-k and top-p exactly as vLLM's sampler
    processes a sampled row (`processed_logprobs`), so prompt log-probs are those of the
    distribution the engine samples from at any K; `GATHER_KEY: ids` reads the rows at those ids
-   instead of the top-K (the draft's p at the guidance's listed tokens, `vllm_sessions.lookup`).
+   instead of the top-K (the draft's p at the guidance's listed tokens, `vllm_sessions.lookup`);
+   `ROWS_FROM_KEY: j` on a new request leaves its prompt rows before row j unset instead of
+   computing rows nobody reads (a scoring session's first chunk needs only its last rows).
 
 And one fix:
 4. `GPUModelRunner._bookkeeping_sync` rewinds the random generator of every request whose sampled
@@ -71,6 +73,7 @@ REPLACE_KEY = "verl_session_replace"
 RECOMPUTE_FROM_KEY = "verl_recompute_from"
 PROCESS_KEY = "verl_processed_prompt_logprobs"
 GATHER_KEY = "verl_gather_ids"
+ROWS_FROM_KEY = "verl_prompt_rows_from"
 PROMPT_LOGPROB_CHUNK_BYTES = 256 * 2**20
 """Most fp32 logits the prompt log-probs of one step hold at once (rows x vocabulary x 4 bytes)."""
 
@@ -159,7 +162,9 @@ def _get_prompt_logprobs_dict(self, hidden_states, num_scheduled_tokens):
         columns = len(gather) if gather is not None else num_logprobs
         complete = scheduled > remaining  # else a chunk of a longer prompt (rows come later)
         count = max(remaining, 0) if complete else scheduled
-        plan.append((req_id, columns, request.num_computed_tokens, count, complete))
+        start = request.num_computed_tokens
+        skip = min(count, max(0, _rows_from(request.sampling_params) - start))
+        plan.append((req_id, columns, start + skip, count - skip, complete))
     if not plan:
         return {}
     prompt_logprobs = _batched_prompt_logprobs(self, hidden_states, plan)
@@ -168,6 +173,13 @@ def _get_prompt_logprobs_dict(self, hidden_states, num_scheduled_tokens):
             del self.num_prompt_logprobs[req_id]
             self.requests[req_id].in_progress_prompt_logprobs_cpu = None
     return prompt_logprobs
+
+
+def _rows_from(params) -> int:
+    """The first prompt row a new request wants (`ROWS_FROM_KEY`; 0: all). A session's later
+    chunks (`REPLACE_KEY`) compute their rows from their kept prefix on, as before."""
+    extra = getattr(params, "extra_args", None) or {}
+    return 0 if extra.get(REPLACE_KEY) else int(extra.get(ROWS_FROM_KEY, 0))
 
 
 def _gather_ids(params) -> list[int] | None:
@@ -234,6 +246,7 @@ def _batched_prompt_logprobs(self, hidden_states, plan: list) -> dict:
         if count:
             request = self.requests[req_id]
             offset = int(self.query_start_loc.np[self.input_batch.req_id_to_index[req_id]])
+            offset += start - request.num_computed_tokens  # rows skipped (`ROWS_FROM_KEY`)
             hidden_rows.append(np.arange(offset, offset + count))
             targets.append(request.prompt_token_ids[start + 1 : start + 1 + count])
             settings.append(np.tile(_processing(request.sampling_params, vocab), (count, 1)))

@@ -590,3 +590,32 @@ def test_seeded_requests_whose_prompts_are_chunked_sample_on_cpu(engine, monkeyp
     alone = [engine.generate([{"prompt_token_ids": prompts[0]}], params[0], use_tqdm=False)[0]
              for _ in range(2)]  # fmt: skip
     assert alone[0].outputs[0].token_ids == alone[1].outputs[0].token_ids
+
+
+def test_a_new_request_computes_only_the_prompt_rows_from_rows_from(engine, chunks):
+    """ROWS_FROM_KEY: j on a new session's first chunk: the LM head runs over its rows j.. only
+    (43 rows of a 44-token prompt, j = 36: 7 rows, in one chunk or in 7-row chunks), and those
+    rows equal a fresh request's; a later chunk of the session (REPLACE_KEY) ignores the key."""
+    from verl_patches import vllm_session_rewind
+
+    from verl.workers.rollout.vllm_sessions import SessionEngine
+
+    _, calls = chunks
+    tokens = [*PROMPT, 50, 51, 52, 53]
+    want = fresh_prompt_logprobs(engine, tokens)[0]
+    sessions = SessionEngine(engine)
+    try:
+        calls.clear()
+        extra = {vllm_session_rewind.ROWS_FROM_KEY: 36}
+        out = sessions.run([("r", tokens, 1, None)],
+                           lambda *_: scoring_params(max_tokens=1, extra_args=extra))["r"]  # fmt: skip
+        # 7 prompt rows, plus the sampler's one row for the sampled token
+        assert sum(calls) == 7 + 1
+        torch.testing.assert_close(session_rows(out, 36, 7), want[36:43], rtol=0, atol=1e-6)
+        calls.clear()  # the next chunk recomputes from 43 on: its own 2 rows, not from 36
+        more = sessions.run([("r", [*tokens, 60, 61], 1, len(tokens) - 1)], new_params)["r"]
+        assert sum(calls) == 2 + 1
+        expected = fresh_prompt_logprobs(engine, [*tokens, 60, 61])[0][43:45]
+        torch.testing.assert_close(session_rows(more, 43, 2), expected, rtol=0, atol=1e-6)
+    finally:
+        sessions.close()

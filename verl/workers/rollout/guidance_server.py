@@ -223,8 +223,10 @@ class _Server:
         self._awake("score")
         from verl.workers.rollout.vllm_sessions import scoring_params
 
-        def new_params(sid: str, max_tokens: int):
-            return scoring_params(max_tokens, num_logprobs, processing)
+        first = {c[0]: row for c, (row, _) in zip(chunks, rows, strict=True)}
+
+        def new_params(sid: str, max_tokens: int):  # a new session computes only the rows read
+            return scoring_params(max_tokens, num_logprobs, processing, rows_from=first[sid])
 
         before = self.sessions.tokens_computed
         results = self.sessions.run(chunks, new_params)

@@ -287,17 +287,20 @@ class SessionEngine:
             self._params = {key: p for key, p in self._params.items() if key[0] not in closed}
 
 
-def scoring_params(max_tokens: int, num_logprobs: int, processing: dict):
+def scoring_params(max_tokens: int, num_logprobs: int, processing: dict, rows_from: int = 0):
     """SamplingParams of a scoring chunk: the prompt log-probs and the sampled tokens' log-probs,
     `num_logprobs` ids each, with every prompt row processed in the engine by `processing`
     (temperature, top_k, top_p) exactly as vLLM's sampler processes a sampled row (the session
     patch's `PROCESS_KEY`); the sampled rows are processed by the sampler itself when the engine
-    reports processed log-probs."""
+    reports processed log-probs. A new session's prompt rows before `rows_from` are not computed
+    (`ROWS_FROM_KEY`: left unset, never to be read)."""
     from vllm.sampling_params import SamplingParams
 
+    extra = {vllm_session_rewind.PROCESS_KEY: True}
+    if rows_from:
+        extra[vllm_session_rewind.ROWS_FROM_KEY] = int(rows_from)
     return SamplingParams(max_tokens=max_tokens, prompt_logprobs=num_logprobs, logprobs=num_logprobs,
-                          detokenize=False, skip_clone=True, extra_args={vllm_session_rewind.PROCESS_KEY: True},
-                          **processing)  # fmt: skip
+                          detokenize=False, skip_clone=True, extra_args=extra, **processing)  # fmt: skip
 
 
 def sampled_log_probs(completion) -> tuple[list[int], list[float]]:
