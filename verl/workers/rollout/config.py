@@ -114,8 +114,8 @@ class OffPolicyGuidanceConfig:
     """Draft tokens proposed per round before the guidance scores them (k; 2 was the fastest measured on both pairs, benchmarks/README.md)."""
     bonus_token: bool = True
     """Speculative mode: draft one token past the proposals while they are scored, for a bonus token of q_λ."""
-    pipeline_groups: int = 4
-    """Speculative mode: staggered groups of the batch, so the guidance scores some while the draft steps others."""
+    pipeline_groups: int = 2
+    """Speculative mode: staggered groups of the batch, so the guidance scores some while the draft steps others (2 was the fastest measured on both pairs, benchmarks/README.md)."""
     mix_num_samples: int = 1
     """Mix mode: responses per prompt generated entirely by the guidance."""
     behavior: str = "exact"
