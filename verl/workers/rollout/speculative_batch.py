@@ -262,11 +262,12 @@ class SpeculativeBatch:
             else np.zeros(0, dtype=np.int64)
         )
         scale, prefix = self.lam_scale[seqs], self.prefix[seqs]
-        if self.gate is None and (scale == 1.0).all() and not prefix.any():
-            return float(self.lam)  # no position can be in a prefix: positions are >= 0
+        plain = self.gate is None and bool((scale == 1.0).all())
+        if plain and not prefix.any():  # positions are >= 0: none is in a prefix
+            return float(self.lam)
         positions = np.array([len(self.seqs[r].tokens) for r in seqs], dtype=np.int64) + offsets
         prefixed = positions < prefix
-        if self.gate is None and (scale == 1.0).all() and not prefixed.any():
+        if plain and not prefixed.any():
             return float(self.lam)
         gate = np.ones(len(rows)) if self.gate is None else self.gate(entropy)
         return prefix_lam(self.lam * scale * gate, positions, self.prefix[seqs])

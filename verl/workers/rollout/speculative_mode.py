@@ -189,13 +189,22 @@ class GuidanceScorer:
         proposals, and the prefill runs while the draft proposes. The KV cache holds the same
         values whichever call computes it, so the rows do not change. A one-token prefix has
         nothing before its last token (and a session must keep one token), so it is left out."""
-        chunks = [(f"{self.prefix}{i}", list(prefix), 1, len(prefix) - 1)
-                  for i, prefix in zip(ids, prefixes, strict=True) if len(prefix) > 1]  # fmt: skip
-        if not chunks:
-            return
-        rows = [(len(tokens) - 1, 0) for _, tokens, *_ in chunks]
+        kept = [(i, prefix) for i, prefix in zip(ids, prefixes, strict=True) if len(prefix) > 1]
+        if kept:
+            self._send(
+                [i for i, _ in kept], [p for _, p in kept], [[]] * len(kept), [0] * len(kept)
+            )
+            self.warming += 1
+
+    def _send(self, ids: list[int], prefixes: list[list[int]], tails: list[list[int]],
+              counts: list[int]) -> list[tuple]:  # fmt: skip
+        """Send one scoring call: each session recomputes from its prefix's last token
+        (`recompute_from`) through `tails`, and answers rows L-1 .. L+count-2. Returns the chunks."""
+        chunks = [(f"{self.prefix}{i}", prefix + tail, 1, len(prefix) - 1)
+                  for i, prefix, tail in zip(ids, prefixes, tails, strict=True)]  # fmt: skip
+        rows = [(len(prefix) - 1, n) for prefix, n in zip(prefixes, counts, strict=True)]
         self.channel.submit("score", chunks, rows, self.num_logprobs, self.processing)
-        self.warming += 1
+        return chunks
 
     def _warmed(self, wait: bool) -> None:
         """Read the answers of `warm` requests (the oldest ones on the channel): those already
@@ -211,10 +220,8 @@ class GuidanceScorer:
         the proposals of a prefix of length L are rows L-1 .. L+n-2, and the session recomputes
         from position L-1 on (`recompute_from`)."""
         counts = num.tolist()  # lists: slicing a tensor row by row costs more than the rest
-        chunks = [(f"{self.prefix}{i}", prefix + row[:n], 1, len(prefix) - 1)
-                  for i, prefix, row, n in zip(ids, prefixes, proposals.tolist(), counts, strict=True)]  # fmt: skip
-        rows = [(len(prefix) - 1, n) for prefix, n in zip(prefixes, counts, strict=True)]
-        self.channel.submit("score", chunks, rows, self.num_logprobs, self.processing)
+        tails = [row[:n] for row, n in zip(proposals.tolist(), counts, strict=True)]
+        chunks = self._send(ids, prefixes, tails, counts)
         self.counters.submitted += sum(len(tokens) for _, tokens, *_ in chunks)
         self.in_flight += 1
 
