@@ -110,8 +110,8 @@ class OffPolicyGuidanceConfig:
     """Schedule of the prefix fraction over training steps (LAM_SCHEDULES, over the same span as λ: `lam_schedule_steps`)."""
     prefix_draw: str = "fixed"
     """How j is drawn per guided response (PREFIX_DRAWS): fixed j, or uniform on {0, ..., j} from the response's own seed."""
-    num_speculative_tokens: int = 2
-    """Draft tokens proposed per round before the guidance scores them (k; 2 was the fastest measured on both pairs, benchmarks/README.md)."""
+    num_speculative_tokens: int = 1
+    """Draft tokens proposed per round before the guidance scores them (k; 1 was the fastest measured on the real pair and as fast as 2 or 3 on the tiny one, benchmarks/README.md; a GPU whose guidance call costs several draft steps may want more)."""
     bonus_token: bool = True
     """Speculative mode: draft one token past the proposals while they are scored, for a bonus token of q_λ."""
     pipeline_groups: int = 2
