@@ -17,7 +17,7 @@ whole sequence, what other distillation recipes do), same prompts and lengths.
 With --real the pair is the real one (`verl.tasks.real_model.build_pair()`: SmolLM2-135M-Instruct
 as the guidance, the same model without 4 middle layers as the draft, a 49,152-token vocabulary,
 float32), the prompts are chat-template questions (`REAL_QUESTIONS`), and the defaults shrink to
-16 prompts x 32 new tokens, k = 2, 5 repeats. --logprobs takes a list (`full` = the vocabulary
+16 prompts x 32 new tokens, k = 1, 5 repeats. --logprobs takes a list (`full` = the vocabulary
 size): every K gets its own engine pair, timed in the same turns against one draft-only engine.
 Draft-only samples as a user would without guidance (1 log-prob per token, the rollout's own
 setting), whatever K is; guided, the draft reports K log-probs per position too (the rollout
@@ -73,8 +73,8 @@ EAGER_TAGS = {"on": "", "off": " compiled", "guidance": " compiled-guidance"}  #
 RUN_PEAK_KB = [0]  # this process's peak RSS over every timed call (warm-ups included), kB
 LOOKUP_S = [0.0]  # seconds inside the draft engine's lookups (`time_draft_lookups`), this call
 DRAFT_STEPS = {"all": 0, "lookup": 0, "in_lookup": 0, "lookup_steps": 0}  # draft engine, this call
-TINY_DEFAULTS = {"prompts": 64, "response": 64, "k": "2,4", "repeats": 15}
-REAL_DEFAULTS = {"prompts": 16, "response": 32, "k": "2", "repeats": 5}
+TINY_DEFAULTS = {"prompts": 64, "response": 64, "k": "1,2", "repeats": 15}
+REAL_DEFAULTS = {"prompts": 16, "response": 32, "k": "1", "repeats": 5}
 REAL_MEMORY_SHARE = 0.01
 """--real: each engine's KV cache, as a share of system memory (16 x 80 tokens need ~60 MB)."""
 REAL_QUESTIONS = (
@@ -256,7 +256,7 @@ def main() -> None:
     parser.add_argument(
         "--k",
         default=None,
-        help="num_speculative_tokens values, comma-separated: 2,4 (--real: 2, the default k)",
+        help="num_speculative_tokens values, comma-separated: 1,2 (--real: 1, the default k)",
     )
     parser.add_argument("--logprobs", default=str(OffPolicyGuidanceConfig.logprobs),
                         help="top-K log-probs per position: comma-separated, `full` = the vocabulary size "

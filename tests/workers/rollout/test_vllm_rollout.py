@@ -626,8 +626,9 @@ def test_partial_lists_are_exact_for_the_truncated_target_and_every_sequence_fin
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(models[0])
-    cfg = rollout_config(models[1], vocab=k, pipeline_groups=3, topk_target=target,
-                         num_speculative_tokens=2)  # its seeds reach the one-token lookup at k = 2
+    cfg = rollout_config(
+        models[1], vocab=k, pipeline_groups=3, topk_target=target, num_speculative_tokens=2
+    )  # its seeds reach the one-token lookup at k = 2
     rollout = VLLMRollout(models[0], cfg, tok.eos_token_id, tok.pad_token_id)
     texts = [f"{a}+{b}=" for a, b in zip(range(10, 22), range(40, 52), strict=True)] + [
         "7",
