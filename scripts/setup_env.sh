@@ -98,7 +98,8 @@ if [ "$device" = cpu ]; then
   # break `import transformers` models ("operator torchvision::nms does not exist").
   pip_quiet uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
-"$VENV/bin/python" -c "import torch, transformers, tensordict, omegaconf, ray, vllm, gguf; from transformers import AutoModelForCausalLM; from verl.tasks.real_model import gguf_path; gguf_path()" \
+# one interpreter both checks that the stack imports and names it (each start imports torch and vllm)
+versions=$("$VENV/bin/python" -c "import torch, transformers, tensordict, omegaconf, ray, vllm, gguf; from transformers import AutoModelForCausalLM; from verl.tasks.real_model import gguf_path; gguf_path(); print('torch', torch.__version__, 'vllm', vllm.__version__)") \
   || { echo "setup_env: the installed stack does not import; see the messages above" >&2; exit 1; }
 echo "$want" >"$STAMP"
-echo "setup_env: ready ($("$VENV/bin/python" -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'))"
+echo "setup_env: ready ($versions)"
