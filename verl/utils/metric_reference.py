@@ -40,7 +40,7 @@ _DOCS = (
     # ---------------------------------------------------------------- Guidance
     MetricDoc(M.GUIDANCE_LAMBDA, _G, "λ of this step's rollout (the schedule's value; 0 for a teacher-only rollout).",
               "Follows `lam` → `lam_end`."),
-    MetricDoc(M.GUIDANCE_OFFPOLICY_TOKEN_RATIO, _G, "Share of response tokens the guidance emitted (provenance: a rejected proposal's residual draw, or a bonus token from q_λ); mix mode: share of tokens in guidance-written responses.",
+    MetricDoc(M.GUIDANCE_OFFPOLICY_TOKEN_RATIO, _G, "Share of response tokens the guidance emitted (provenance: the residual drawn where a proposal or the bonus lookahead was rejected); mix mode: share of tokens in guidance-written responses.",
               "Grows with λ and with the draft–guidance disagreement; at fixed λ it should fall as the draft learns (5.6 % on the demo of 2026-11-26, λ 0.5 → 0.1)."),
     MetricDoc(M.GUIDANCE_OFFPOLICY_SEQ_RATIO, _G, "Share of responses with at least one guidance token.",
               "Between the token ratio and 1; near 1 means almost every response is a blend."),
@@ -56,7 +56,7 @@ _DOCS = (
               "0 when K covers the vocabulary or the top-k/top-p cut; otherwise how much of q the speculative target leaves out (see target_tv)."),
     MetricDoc(M.GUIDANCE_TARGET_TV, _G, "Mean over emitted tokens of TV(target, q_λ) = λ·(1 − Q_S) at their positions: how far the distribution the rollout sampled exactly (q renormalised over its listed set S, mixed with p) is from the ideal q_λ; under `topk_target: draft_tail` that value is an upper bound (the exact distance needs q off S). μ is exact for the target either way.",
               "0 when K covers the vocabulary or the cut; raise `logprobs` if it matters for your experiment."),
-    MetricDoc(M.GUIDANCE_DRAFT_LOOKUP_RATIO, _G, "Draft-engine lookups (a residual or bonus token the guidance drew that the draft's own top-K does not list, whose p μ needs) per emitted token.",
+    MetricDoc(M.GUIDANCE_DRAFT_LOOKUP_RATIO, _G, "Draft-engine lookups (a residual token the guidance drew, after a proposal or the bonus lookahead, that the draft's own top-K does not list, whose p μ needs) per emitted token.",
               "0 when the draft's `logprobs` cover the vocabulary; each lookup recomputes one token of the draft."),
     MetricDoc(M.GUIDANCE_GUIDED_IS_WEIGHT_MEAN, _G, "Mean truncated weight clamp(π_old/μ) over the guidance tokens whose π_old and μ are known.",
               "Below 1 when the draft finds the guidance's tokens unlikely; near 0 means they barely train."),

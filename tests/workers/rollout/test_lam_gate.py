@@ -91,14 +91,19 @@ def test_verify_listed_per_row_lambda_hand_values():
 
 
 def test_draw_bonus_per_row_lambda_hand_values():
-    # lookahead x = 1 in both rows; q over S = [0.2, 0.3, 0.5] (cdf 0.2, 0.5, 1.0)
-    # row 0: λ = 0.2, u = 0.5 ≥ 0.2: the lookahead x = 1
-    # row 1: λ = 0.9, u = 0.5 < 0.9: v = 0.5/0.9 = 0.556, the first cdf > v is token 2 (1.0)
-    draft = _full_rows([1, 1], [[0.5, 0.3, 0.2]] * 2)
+    # lookahead x = 0 in both rows, p = [0.5, 0.3, 0.2], q = [0.2, 0.3, 0.5] over S = all of V
+    # (Q_S = 1, q̃ = q); u = 0.5 in both; a = min(1, (1-λ) + λ·q(0)/p(0)) = 1 - 0.6·λ:
+    # row 0: λ = 0.2, a = 0.88 > u: x = 0 kept
+    # row 1: λ = 0.9, a = 0.46 <= u: rejected, (0.5 - 0.46)/0.54 = 0.074 draws the residual
+    #   max(0, q - p) = [0, 0, 0.3]: token 2, off-policy
+    draft = _full_rows([0, 0], [[0.5, 0.3, 0.2]] * 2)
     guide = _full_rows([2, 2], [[0.2, 0.3, 0.5]] * 2)
     out = draw_bonus(draft, guide, np.array([0.2, 0.9]), np.array([0.5, 0.5]))
-    assert out["tokens"].tolist() == [1, 2] and out["offpolicy"].tolist() == [False, True]
+    assert out["tokens"].tolist() == [0, 2] and out["offpolicy"].tolist() == [False, True]
     np.testing.assert_allclose(out["lam"], [0.2, 0.9])
+    # the residual's p and q are its own: p(2) = 0.2, q(2) = 0.5
+    np.testing.assert_allclose(out["log_p"], np.log([0.5, 0.2]), rtol=1e-12)
+    np.testing.assert_allclose(out["log_q"], np.log([0.2, 0.5]), rtol=1e-12)
 
 
 def test_mixture_log_probs_per_token_lambda_hand_values():

@@ -144,7 +144,7 @@ def test_first_token_follows_q_lambda(guided, models, lam, temperature):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_bonus_token_follows_q_lambda(guided, models, temperature):
     """k = 1, two tokens: a sequence whose first proposal is accepted gets its second token as
-    a bonus token (drawn from q with probability λ, else the draft's lookahead). The second
+    a bonus token (the draft's lookahead, verified like a proposal, else the residual). The second
     tokens follow the exact marginal sum_x q_λ(x | prompt) q_λ(· | prompt, x) over first tokens
     x other than EOS (chi-square; both q_λ from HF forwards of both models)."""
     from transformers import AutoModelForCausalLM

@@ -9,10 +9,10 @@ q_λ = (1-λ)·p + λ·q. One round for a batch of sequences:
      off-policy, and the remaining proposals are dropped.
   5. after a fully accepted round, a bonus token of q_λ when the draft already drafted one token
      x ~ p past its proposals (while the guidance scored them) and the guidance reports q there:
-     with probability λ a draw y ~ q (marked off-policy), otherwise x (`draw_bonus`).
+     x verified as in 3, else the residual of 4, marked off-policy (`draw_bonus`).
 This is speculative sampling with target q_λ and proposal p, so every emitted token is an exact
 sample of q_λ given its prefix (Leviathan et al., https://arxiv.org/abs/2211.17192); the bonus
-is that paper's extra token, drawn from the mixture by its two components.
+is that paper's extra token, with the draft's lookahead as one more proposal.
 
 This module imports neither vLLM nor torch.distributed: it works on token ids and log-prob
 tables (dense (B, k, V), or the engines' top-K lists as `TopK`), so it is tested exactly on

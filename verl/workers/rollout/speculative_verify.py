@@ -165,10 +165,11 @@ def verify_listed(
     q̃(y) = q(y)/Q_S on S, 0 elsewhere, so t = q_λ wherever S holds all of q's mass (K = V, or
     top-k/top-p cut inside the list) and TV(t, q_λ) = λ·(1 - Q_S) otherwise (`target_tv`).
     At a rejected position p is needed on all of S: read from the draft's row where it lists
-    them (or its whole support), else from `probe` (the draft engine's lookup); without a probe
-    an unknown p raises. Every per-row operation is O(K) memory. `lam`: a float, or λ_t per
-    flat row (N,) (a function of what is known at that position before its token is drawn, e.g.
-    the draft's row: the target stays known; the residual does not depend on λ_t > 0).
+    them (or its whole support), else from `probe` (the draft engine's lookup), asked only where
+    the residual's draw lands on a token the row does not give; without a probe that raises.
+    Every per-row operation is O(K) memory. `lam`: a float, or λ_t per flat row (N,) (a
+    function of what is known at that position before its token is drawn, e.g. the draft's row:
+    the target stays known; the residual does not depend on λ_t > 0).
     `tv_lam` (N,): the λ the reported distance λ·(1 - Q_S) uses (None: `lam`; a `TOPK_TARGETS`
     rule that rescales λ reports its bound against the unscaled λ).
     num_proposed (B,), uniforms (B, k+1) (column i tests proposal i, the last draws the
@@ -256,15 +257,18 @@ def _residual_listed(
     pick[exact] = _inverse_cdf(_residual(log_t_c[exact], log_p_c[exact]), uniforms[exact])
     bounded = np.flatnonzero(~exact)
     if len(bounded):
-        if probe is None:
-            raise RuntimeError(
-                f"{len(bounded)} residual row(s) need the draft's p at guidance tokens its "
-                "top-K does not list, and no draft probe was given"
-            )
+
+        def ask(i: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+            if probe is None:
+                raise RuntimeError(
+                    f"{len(i)} residual row(s) drew a guidance token the draft's top-K does not "
+                    "list, whose p is needed, and no draft probe was given"
+                )
+            return probe(rows[bounded[i]], positions[bounded[i]], tokens)
+
         sub = log_p_c[bounded]  # filled where the probe is asked
         pick[bounded] = _residual_bounded(candidates[bounded], log_t_c[bounded], sub, known[bounded],
-                                          uniforms[bounded],
-                                          lambda i, t: probe(rows[bounded[i]], positions[bounded[i]], t))  # fmt: skip
+                                          uniforms[bounded], ask)  # fmt: skip
         log_p_c[bounded] = sub
     r = np.arange(len(at))
     return candidates[r, pick], log_p_c[r, pick], log_t_c[r, pick]
@@ -338,41 +342,51 @@ def draw_bonus(
     probe: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
     tv_lam: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """The token past a fully accepted round, from the target t = (1-λ)p + λq̃ by its components:
-    if u < λ a draw y ~ q̃ (q renormalised over the guidance row's top-K set S; inverse CDF in
-    listed order with u/λ, which is uniform given u < λ), marked off-policy; otherwise the
-    draft's lookahead x ~ p (column 0).
+    """The token past a fully accepted round, from the target t = (1-λ)p + λq̃ (q̃ = q
+    renormalised over the guidance row's top-K set S): the draft's lookahead x ~ p (column 0)
+    verified like one more proposal, kept w.p. a = min(1, t(x)/p(x)), else replaced by the
+    residual y ∝ max(0, q̃ - p) over S (drawn with (u - a)/(1 - a), uniform given u >= a),
+    which is marked off-policy. So a bonus token is off-policy exactly when the guidance overrode the
+    draft (probability λ·TV(p, q̃)), as a proposal is, whatever k.
 
     Rows (R, K+1) as in `ListedRows`, uniforms (R,), `lam` a float or λ_t per row (R,); returns
     (R,) arrays by name: tokens, offpolicy, log_p, log_q, log_t (log q̃), tv (λ·(1 - Q_S), λ from
-    `tv_lam` when given), lam (λ'), strength (λ as set: `tv_lam`, else `lam`). A y the draft's row does not give
-    gets its log p from `probe(row indices (R',), tokens (R', 1))`; without a probe it raises.
-    log q of a lookahead x outside S is -inf where the guidance row lists its whole support and
-    NaN where it does not (not reported; its q̃ is exactly 0 either way).
-    Paper: https://arxiv.org/abs/2211.17192 (the extra token after k accepted proposals).
+    `tv_lam` when given), lam (λ'), strength (λ as set: `tv_lam`, else `lam`). p on S where the
+    draft's row does not give it comes from `probe(row indices (R',), tokens (R', M))`, asked only
+    where the residual's draw needs it (`_residual_bounded`); without a probe it raises.
+    log q of a kept x outside S is -inf where the guidance row lists its whole support and NaN
+    where it does not (not reported; its q̃ is exactly 0 either way).
+    Paper: https://arxiv.org/abs/2211.17192 (speculative sampling, exact for any target).
     """
     _check_lam(lam)
     u = np.asarray(uniforms, dtype=np.float64)
     lam = np.broadcast_to(np.asarray(lam, dtype=np.float64), u.shape)
-    from_q = u < lam
-    with np.errstate(divide="ignore", invalid="ignore"):  # λ = 0: no row draws from q
-        v = np.where(from_q, u / lam, 0.0)
-    listed_q = guidance.log_probs[:, 1:].astype(np.float64)
-    y = guidance.ids[np.arange(len(u)), 1 + _inverse_cdf(np.exp(listed_q), v)]
-    tokens = np.where(from_q, y, draft.ids[:, 0])
-    log_p = draft.lookup_one(tokens)
-    unknown = ~draft.knows(tokens[:, None])[:, 0]
-    if unknown.any():
-        if probe is None:
-            raise RuntimeError(
-                f"{int(unknown.sum())} bonus token(s) need the draft's p and no probe was given"
-            )
-        log_p[unknown] = probe(np.flatnonzero(unknown), tokens[unknown, None])[:, 0]
+    tokens = draft.ids[:, 0].copy()
     log_mass = np.log(guidance.topk_mass())
-    in_s = guidance.in_topk(tokens)
+    log_p = draft.log_probs[:, 0].astype(np.float64)  # p(x) > 0: x was sampled from p
     log_q = guidance.lookup_one(tokens, unknown=np.nan)
-    return {"tokens": tokens, "offpolicy": from_q, "log_p": log_p, "log_q": log_q,
-            "log_t": np.where(in_s, log_q - log_mass, NEG_INF),
+    log_t = np.where(guidance.in_topk(tokens), log_q - log_mass, NEG_INF)
+    with np.errstate(over="ignore", invalid="ignore"):
+        keep = np.minimum((1.0 - lam) + lam * np.exp(log_t - log_p), 1.0)
+    rows = np.flatnonzero(u >= keep)  # never where a = 1 (λ = 0, or t(x) >= p(x))
+    if len(rows):
+        v = (u[rows] - keep[rows]) / (1.0 - keep[rows])
+        asks = None if probe is None else (lambda r, _positions, t: probe(r, t))
+        y, log_p[rows], log_t[rows] = _residual_listed(
+            draft,
+            guidance,
+            rows,
+            log_mass[rows],
+            v,
+            asks,
+            rows,
+            np.zeros(len(rows), dtype=np.int64),
+        )
+        tokens[rows], log_q[rows] = y, log_t[rows] + log_mass[rows]
+    offpolicy = np.zeros(len(u), dtype=bool)
+    offpolicy[rows] = True
+    return {"tokens": tokens, "offpolicy": offpolicy, "log_p": log_p, "log_q": log_q,
+            "log_t": log_t,
             "tv": (lam if tv_lam is None else tv_lam) * np.clip(1.0 - np.exp(log_mass), 0.0, None),
             "lam": lam.copy(), "strength": (lam if tv_lam is None else np.asarray(tv_lam)).copy()}  # fmt: skip
 
