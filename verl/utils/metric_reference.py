@@ -41,7 +41,7 @@ _DOCS = (
     MetricDoc(M.GUIDANCE_LAMBDA, _G, "λ of this step's rollout (the schedule's value; 0 for a teacher-only rollout).",
               "Follows `lam` → `lam_end`."),
     MetricDoc(M.GUIDANCE_OFFPOLICY_TOKEN_RATIO, _G, "Share of response tokens the guidance emitted (provenance: the residual drawn where a proposal or the bonus lookahead was rejected); mix mode: share of tokens in guidance-written responses.",
-              "Grows with λ and with the draft–guidance disagreement; at fixed λ it should fall as the draft learns (5.6 % on the demo of 2026-11-26, λ 0.5 → 0.1)."),
+              "Grows with λ and with the draft–guidance disagreement; at fixed λ it should fall as the draft learns (6.2 % on the demo of 2026-11-29 at k = 1, λ 0.5 → 0.1)."),
     MetricDoc(M.GUIDANCE_OFFPOLICY_SEQ_RATIO, _G, "Share of responses with at least one guidance token.",
               "Between the token ratio and 1; near 1 means almost every response is a blend."),
     MetricDoc(M.GUIDANCE_ACCEPT_RATE, _G, "Speculative mode: accepted / proposed draft tokens. Its expectation is 1 − λ·TV(p, q), since q_λ − p = λ(q − p).",
