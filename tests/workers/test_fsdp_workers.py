@@ -158,15 +158,21 @@ def _update_data(group, seed):
     return data
 
 
-def test_data_parallel_update_equals_single_process_update(model_path, ray_cluster):
-    group = start_group(model_path, 2)
-    try:
-        data = _update_data(group, seed=7)
-        metrics = reduce_metrics(group.execute_dp("update_actor", data))
-        after = group.execute_all("full_state_dict")[0]
-    finally:
-        group.shutdown()
-    _assert_single_process_step(model_path, data, metrics, after)
+@pytest.fixture(scope="module")
+def first_update(group2):
+    """The first update of `group2` (the initial model, a fresh optimizer and schedule: the
+    group's earlier calls only computed log-probs), once per module: (data, reduced metrics,
+    state dict after it); the same step a group of its own took before (`start_group` of the same
+    config). The tests that update the group request it first, so that it starts from the initial
+    model; `test_log_probs_world_two_padding_free`, which reads the initial model, runs before
+    (file order, as it ran before the checkpoint test's updates)."""
+    data = _update_data(group2, seed=7)
+    metrics = reduce_metrics(group2.execute_dp("update_actor", data))
+    return data, metrics, group2.execute_all("full_state_dict")[0]
+
+
+def test_data_parallel_update_equals_single_process_update(model_path, first_update):
+    _assert_single_process_step(model_path, *first_update)
 
 
 def _assert_single_process_step(model_path, data, metrics, after) -> None:
@@ -190,7 +196,9 @@ def _assert_single_process_step(model_path, data, metrics, after) -> None:
     assert metrics[M.ACTOR_GRAD_NORM] == pytest.approx(single[M.ACTOR_GRAD_NORM][0], rel=1e-4)
 
 
-def test_checkpoint_save_load_gives_identical_log_probs_and_next_update(group2, tmp_path):
+def test_checkpoint_save_load_gives_identical_log_probs_and_next_update(
+    group2, first_update, tmp_path
+):
     probe = make_batch(seed=11)
     ckpt = str(tmp_path / "step_1")
     group2.execute_dp("update_actor", _update_data(group2, seed=1))

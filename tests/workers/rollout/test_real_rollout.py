@@ -101,11 +101,18 @@ def ambiguous(logits: torch.Tensor, k: int, settings: dict) -> torch.Tensor:
 
 
 def reference(
-    out, draft_hf, guide_hf, k: int, settings: dict, lam_t: torch.Tensor | None = None
+    out,
+    draft_hf,
+    guide_hf,
+    k: int,
+    settings: dict,
+    lam_t: torch.Tensor | None = None,
+    draft_logits: list[torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per emitted token (flat, in batch order): HF p, q, μ of the default target, the target's
     TV from q_λ at its position (the bound for draft_tail), Q_S, and whether rounding decides it
-    (`ambiguous`); λ of every token is LAM, or `lam_t` (flat, in the same order)."""
+    (`ambiguous`); λ of every token is LAM, or `lam_t` (flat, in the same order). `draft_logits`:
+    each row's draft rows of that same HF forward (`row_logits`), when the caller has them."""
     b = out.batch
     values: dict[str, list] = {"p": [], "q": [], "mu": [], "tv": [], "mass": [], "ambiguous": [],
                                "mu_atol": []}  # fmt: skip
@@ -115,8 +122,10 @@ def reference(
     for i, n in enumerate(lengths):
         ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
         toks = ids[0, -n:].unsqueeze(-1)
-        with torch.no_grad():
-            logits = [m(ids).logits[0, -n - 1 : -1] for m in (draft_hf, guide_hf)]
+        logits = [
+            row_logits(draft_hf, ids, n) if draft_logits is None else draft_logits[i],
+            row_logits(guide_hf, ids, n),
+        ]
         p, q = (vllm_processed_probs(z, **settings) for z in logits)
         values["ambiguous"].append(
             ambiguous(logits[0], k, settings) | ambiguous(logits[1], k, settings)
@@ -130,6 +139,12 @@ def reference(
         values["mass"].append(mass.squeeze(-1))
         values["mu_atol"].append(mu_tolerance(p, q, toks, k, lam, target))
     return {key: torch.cat(v) for key, v in values.items()}
+
+
+def row_logits(model, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """(n, V) HF logits at the positions that predict the last n tokens of `ids` (1, L)."""
+    with torch.no_grad():
+        return model(ids).logits[0, -n - 1 : -1]
 
 
 def mu_tolerance(p, q, toks, k: int, lam, target) -> torch.Tensor:
@@ -275,11 +290,11 @@ def test_real_entropy_gate_and_guided_subset_are_exact(shared, real_hf):
         == [True] * 3 + [False] * 3 + [True] * 3 + [False] * 3 + [True] * 3 + [False] * 3
     )
     assert not b["offpolicy_mask"][~guided].any() and b["offpolicy_mask"][guided].any()
-    lam_t, entropy = [], []
+    lam_t, entropy, draft_logits = [], [], []  # (the draft's forwards, read by `reference` too)
     for i, n in enumerate(valid.sum(-1).tolist()):
         ids = b["input_ids"][i][b["attention_mask"][i].bool()].unsqueeze(0)
-        with torch.no_grad():
-            p = vllm_processed_probs(draft_hf(ids).logits[0, -n - 1 : -1])
+        draft_logits.append(row_logits(draft_hf, ids, n))
+        p = vllm_processed_probs(draft_logits[-1])
         h = torch.from_numpy(listed_entropy(p.topk(k, dim=-1).values.log().numpy()))
         entropy.append(h)
         lam_t.append(lam * float(guided[i]) * (h / tau).clamp(max=1.0))
@@ -300,7 +315,7 @@ def test_real_entropy_gate_and_guided_subset_are_exact(shared, real_hf):
     # μ from HF's p and q at the λ_t the rollout's gate set: HF's own entropies move λ_t by up to
     # 1.2e-4 (above), which at a token with q̃ << p moves log μ by about Q_S/(1 - λ_t·Q_S) times
     # that, past 1e-4 (measured 1.8e-4), so the entropy's rounding is checked once, above
-    ref = reference(out, draft_hf, guide_hf, k, {"temperature": 1.0}, own[valid])
+    ref = reference(out, draft_hf, guide_hf, k, {"temperature": 1.0}, own[valid], draft_logits)
     check_exact(out, ref, tok)
     # the λ the verify step ran with: draft_tail is the same step at λ' = λ_t·Q_S
     ran = own[valid] * ref["mass"] if DEFAULT_TARGET == "draft_tail" else own[valid]
