@@ -80,8 +80,10 @@ class RolloutWorker:
         return {"peak_extra_bytes": peak.extra}
 
     def shutdown(self) -> None:
-        """Stop the guidance engine's process (it also exits on its own if this actor dies)."""
-        self.rollout.shutdown()
+        """Stop the guidance engine's process (it also exits on its own if this actor dies) and
+        the draft engine's core; the actor is killed right after (`RolloutGroup.shutdown`), so
+        its memory goes with the process."""
+        self.rollout.shutdown(exiting=True)
 
 
 QUEUE_DEPTH = 2
