@@ -9,6 +9,10 @@ from scipy.stats import chisquare
 from verl.workers.rollout.speculative import ListedRows
 
 D = torch.float64
+P1 = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05], dtype=D)
+"""A draft's next-token distribution over V = 5, for single-position tests."""
+Q1 = torch.tensor([0.05, 0.1, 0.2, 0.25, 0.4], dtype=D)
+"""A guidance's, far from P1 (TV 0.55)."""
 
 
 def chi2_counts_pvalue(counts: torch.Tensor, probs: torch.Tensor, pool_below: float = 0.0) -> float:
