@@ -13,6 +13,7 @@ import torch
 from scipy.stats import chisquare
 from speculative_helpers import D, RecordingProbe, chi2_counts_pvalue, listed_rows
 
+from verl.workers.rollout import log_prob_tables
 from verl.workers.rollout.speculative import (
     ListedRows,
     TopK,
@@ -56,11 +57,14 @@ def _random_listed(
     return ListedRows(ids, values)
 
 
+@pytest.mark.parametrize("span", [0, 10**9], ids=["sorted", "dense"])
 @pytest.mark.parametrize("seed", range(6))
-def test_lookup_equals_brute_force(seed):
+def test_lookup_equals_brute_force(seed, span, monkeypatch):
     """`lookup` and `knows` equal the (N, M, K) comparison on random rows with repeats of column
     0 (same value, -inf, or another value: the larger wins), -1 padding, and queried tokens
-    that are listed, unlisted, -1, or past every listed id."""
+    that are listed, unlisted, -1, or past every listed id; by sorted searches and by dense
+    tables alike (`DENSE_SPAN` forcing each)."""
+    monkeypatch.setattr(log_prob_tables, "DENSE_SPAN", span)
     gen = np.random.default_rng(seed)
     vocab = int(gen.integers(8, 60))
     for _ in range(20):

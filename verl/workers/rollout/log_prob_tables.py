@@ -2,7 +2,8 @@
 
 `TopK` holds tables as padded (B, k, K) tensors (or dense (B, k, V) ones), `ListedRows` as the
 engines' flat rows (one per proposal position: the position's own token, then the top-K), read
-by sorted searches so nothing builds an (N, M, K) comparison. `process_log_probs` is the
+by sorted searches, or by a table per row where the ids span at most a few times K (a small
+vocabulary, or K = V), so nothing builds an (N, M, K) comparison. `process_log_probs` is the
 reference of the samplers' processing (temperature, top-k, top-p). Pure: no vLLM, no
 torch.distributed (docs/design.md#architecture-and-the-dependency-rule).
 """
@@ -176,11 +177,11 @@ class ListedRows:
     def lookup(self, tokens: np.ndarray) -> np.ndarray:
         """Log-probs of `tokens` (N, M) in each row: (N, M), -inf where a token is not listed.
         O((K + M) log) per row (a sorted search, never an (N, M, K) comparison)."""
-        return _sorted_lookup(self.ids, self.log_probs.astype(np.float64), tokens)[0]
+        return _lookup(self.ids, self.log_probs.astype(np.float64), tokens)[0]
 
     def lookup_known(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(`lookup(tokens)`, `knows(tokens)`) from one search: (N, M) each."""
-        values, listed = _sorted_lookup(self.ids, self.log_probs.astype(np.float64), tokens)
+        values, listed = _lookup(self.ids, self.log_probs.astype(np.float64), tokens)
         return values, listed | self.lists_support()[:, None]
 
     def in_topk(self, tokens: np.ndarray) -> np.ndarray:
@@ -203,7 +204,7 @@ class ListedRows:
         if tokens.shape[-1] == 1:  # one token per row: a direct comparison, O(K) per row
             listed = (tokens == self.ids).any(-1, keepdims=True)
         else:
-            listed = _sorted_has(self.ids, tokens)
+            listed = _lookup(self.ids, np.zeros(self.ids.shape), tokens)[1]
         return listed | self.lists_support()[:, None]
 
     def topk(self) -> tuple[np.ndarray, np.ndarray]:
@@ -241,11 +242,40 @@ def _flat_keys(ids: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndar
     return keys[order], order, (tokens.astype(np.int64) + 1 + offset)
 
 
-def _sorted_has(ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """(N, M) whether tokens[n, m] appears in ids[n] (N, K), by a sorted search."""
-    keys, _, queries = _flat_keys(ids, tokens)
-    at = np.searchsorted(keys, queries).clip(max=len(keys) - 1)
-    return keys[at] == queries
+def _lookup(
+    ids: np.ndarray, values: np.ndarray, tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(values[n, j] where ids[n, j] == tokens[n, m], -inf where absent; whether it is present):
+    (N, M) each, for rows `ids` (N, K) whose columns past the first are distinct (or -1 padding
+    at -inf). A table per row where the ids span at most a few times K (`_dense_lookup`: a small
+    vocabulary, or K = V), else sorted searches (`_sorted_lookup`); both O(K) memory per row."""
+    if ids.size == 0 or tokens.size == 0:
+        return np.full(tokens.shape, NEG_INF), np.zeros(tokens.shape, dtype=bool)
+    width = int(max(ids.max(), tokens.max())) + 2
+    if width <= DENSE_SPAN * ids.shape[1]:
+        return _dense_lookup(ids, values, tokens, width)
+    return _sorted_lookup(ids, values, tokens)
+
+
+DENSE_SPAN = 4
+"""`_lookup` scatters rows into tables of their id span when it is at most this many times K."""
+
+
+def _dense_lookup(
+    ids: np.ndarray, values: np.ndarray, tokens: np.ndarray, width: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """`_lookup` by scattering each row into a table of `width` > every id + 1 (id i at i + 1,
+    so -1 padding has a column): column 0 written last, keeping the larger value where it
+    repeats a top-K entry. O(N·width) time and memory."""
+    rows, first = np.arange(ids.shape[0]), ids[:, 0] + 1
+    table = np.full((ids.shape[0], width), NEG_INF)
+    listed = np.zeros(table.shape, dtype=bool)
+    table[rows[:, None], ids[:, 1:] + 1] = values[:, 1:]
+    listed[rows[:, None], ids[:, 1:] + 1] = True
+    table[rows, first] = np.maximum(table[rows, first], values[:, 0])
+    listed[rows, first] = True
+    at = tokens.astype(np.int64) + 1
+    return table[rows[:, None], at], listed[rows[:, None], at]
 
 
 def _sorted_lookup(
@@ -254,8 +284,6 @@ def _sorted_lookup(
     """(values[n, j] where ids[n, j] == tokens[n, m], -inf where absent; whether it is present):
     (N, M) each. A token listed twice (column 0 repeating a top-K entry) reads the larger of its
     two values. O((NK + NM) log) time and O(NK + NM) memory."""
-    if ids.size == 0 or tokens.size == 0:
-        return np.full(tokens.shape, NEG_INF), np.zeros(tokens.shape, dtype=bool)
     keys, order, queries = _flat_keys(ids, tokens)
     flat = values.ravel()[order]
     # a repeated token (column 0 again in the top-K) has the same value twice: take the larger

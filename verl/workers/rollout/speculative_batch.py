@@ -24,6 +24,9 @@ from verl.workers.rollout.speculative_verify import (
     verify_proposals,
 )
 
+UNIFORM_ROUNDS = 16
+"""Rounds of uniforms `SpeculativeBatch` draws at once from a sequence's own generator."""
+
 
 @dataclass
 class GuidedSequence:
@@ -152,6 +155,7 @@ class SpeculativeBatch:
         (for a bonus token; only with `bonus` and room for one more token)."""
         self.ended: list[int] = []
         """The rows of the last round `apply` verified that ended in it."""
+        self._drawn: dict[int, tuple[np.ndarray, int]] = {}  # row -> (uniforms drawn, used)
 
     @property
     def done(self) -> bool:
@@ -177,6 +181,7 @@ class SpeculativeBatch:
             if not isinstance(self.generator, list):
                 raise ValueError("a sequence's own generator needs one generator per prompt")
             self.generator[row] = generator
+            self._drawn.pop(row, None)
         return ended
 
     def next_round(self) -> tuple[list[int], list[list[int]], list[int]]:
@@ -228,25 +233,28 @@ class SpeculativeBatch:
         self.stats.sequence_rounds += len(num)
         self.stats.proposed += int(num_proposed.sum())
         self.stats.accepted += int(result.num_accepted.sum())
-        entropy_bk = _scatter(entropy, seq, pos, result.tokens.shape)
-        fields = [f.numpy() for f in (result.tokens, result.offpolicy, result.draft_log_probs,
-                  result.guidance_log_probs, result.target_log_probs, result.target_tv, result.lam,
-                  result.strength)] + [entropy_bk]  # fmt: skip
+        tokens, offpolicy, values = _widen(result, _scatter(entropy, seq, pos, result.tokens.shape))
         emitted = result.num_emitted.numpy()
-        counts = self._bonus(result, num_proposed, bonus, uniforms[:, -1].numpy(), at, fields)
+        counts = self._bonus(result, num_proposed, bonus, uniforms[:, -1].numpy(), at,
+                             (tokens, offpolicy, values))  # fmt: skip
         if (emitted == 0).any():
             i = int(np.flatnonzero(emitted == 0)[0])
             raise RuntimeError(f"sequence {self.ids[self._rows[i]]}: the draft proposed no token "
                                f"(budget {self._budget[i]})")  # fmt: skip
         two_calls = self.stop is not None  # a stop rule sees the bonus token after the rest
-        for r, n, total, *values in zip(self._rows, emitted.tolist(), counts.tolist(),
-                                        *(f.tolist() for f in fields), strict=True):  # fmt: skip
+        for r, n, total, row_tokens, row_off, row_values in zip(
+            self._rows, emitted.tolist(), counts.tolist(), tokens.tolist(), offpolicy.tolist(),
+            values.transpose(1, 0, 2).tolist(), strict=True,
+        ):  # fmt: skip
             if total == n or not two_calls:  # one append: only an EOS can drop the bonus token
-                self.stats.bonus += self._append(r, *(v[:total] for v in values)) > n
+                kept = self._append(r, row_tokens[:total], row_off[:total],
+                                    [v[:total] for v in row_values])  # fmt: skip
+                self.stats.bonus += kept > n
                 continue
-            self._append(r, *(v[:n] for v in values))
+            self._append(r, row_tokens[:n], row_off[:n], [v[:n] for v in row_values])
             if not self.seqs[r].finished:
-                self._append(r, *(v[n:total] for v in values))
+                self._append(r, row_tokens[n:total], row_off[n:total],
+                             [v[n:total] for v in row_values])  # fmt: skip
                 self.stats.bonus += 1
         self.ended = [r for r in self._rows if self.seqs[r].finished]
 
@@ -299,10 +307,25 @@ class SpeculativeBatch:
         """(rows, k + 1) uniforms of the open round: from each sequence's own generator when
         `generator` is a list (a sequence's tokens then do not depend on which batch, wave or
         replica it runs in), else from the shared one."""
-        if isinstance(self.generator, (list, tuple)):
-            return torch.stack([torch.rand(self.k + 1, generator=self.generator[r], dtype=torch.float64)
-                                for r in self._rows]) if rows else torch.zeros(0, self.k + 1, dtype=torch.float64)  # fmt: skip
-        return torch.rand(rows, self.k + 1, generator=self.generator, dtype=torch.float64)
+        if not isinstance(self.generator, (list, tuple)):
+            return torch.rand(rows, self.k + 1, generator=self.generator, dtype=torch.float64)
+        if not rows:
+            return torch.zeros(0, self.k + 1, dtype=torch.float64)
+        return torch.from_numpy(np.stack([self._draws(r) for r in self._rows]))
+
+    def _draws(self, r: int) -> np.ndarray:
+        """The next k + 1 uniforms of sequence r's generator. They are drawn `UNIFORM_ROUNDS`
+        rounds at a time: one `torch.rand` of n values is the same stream as n / (k + 1) calls
+        of k + 1 (CPU generators), so a sequence's rounds read what they would read one by one."""
+        drawn, used = self._drawn.get(r, (None, 0))
+        if drawn is None or used == len(drawn):
+            size = UNIFORM_ROUNDS * (self.k + 1)
+            drawn, used = (
+                torch.rand(size, generator=self.generator[r], dtype=torch.float64).numpy(),
+                0,
+            )
+        self._drawn[r] = (drawn, used + self.k + 1)
+        return drawn[used : used + self.k + 1]
 
     def _bonus(
         self,
@@ -311,13 +334,12 @@ class SpeculativeBatch:
         bonus: BonusRows | None,
         u: np.ndarray,
         probe: DraftProbe | None,
-        fields: list[np.ndarray],
+        out: tuple[np.ndarray, np.ndarray, np.ndarray],
     ) -> np.ndarray:
-        """Bonus tokens where every proposal was accepted and the draft drafted a lookahead: each
-        of `fields` (B, k) (token, off-policy, log p, log q, log q̃, tv, λ'_t, λ_t, H_t) widened in
-        place to (B, k + 1) with the bonus token's value after the emitted ones; returns the
-        tokens per row with it (B,). The uniform is the residual's column, which a round without
-        rejection leaves unused."""
+        """Bonus tokens where every proposal was accepted and the draft drafted a lookahead:
+        written into `out` (`_widen`'s token, off-policy and value arrays, one column past k)
+        after the emitted ones; returns the tokens per row with it (B,). The uniform is the
+        residual's column, which a round without rejection leaves unused."""
         emitted = result.num_emitted.numpy()
         if bonus is None or not bonus.has.any():
             return emitted
@@ -334,31 +356,23 @@ class SpeculativeBatch:
         drawn = draw_bonus(lookahead, guidance, lam, u[rows],
                            None if probe is None else lambda i, t: probe(rows[i], n[rows[i]], t), tv_lam)  # fmt: skip
         drawn["entropy"] = entropy
-        names = (
-            "tokens",
-            "offpolicy",
-            "log_p",
-            "log_q",
-            "log_t",
-            "tv",
-            "lam",
-            "strength",
-            "entropy",
-        )
-        for i, name in enumerate(names):
-            fields[i] = np.concatenate([fields[i], np.zeros_like(fields[i][:, :1])], axis=1)
-            fields[i][rows, emitted[rows]] = drawn[name]
+        tokens, offpolicy, values = out
+        tokens[rows, emitted[rows]] = drawn["tokens"]
+        offpolicy[rows, emitted[rows]] = drawn["offpolicy"]
+        for i, name in enumerate(("log_p", "log_q", "log_t", "tv", "lam", "strength", "entropy")):
+            values[i, rows, emitted[rows]] = drawn[name]
         return emitted + full
 
-    def _append(self, r: int, tokens: list, *values: list) -> int:
-        """Append emitted tokens and their (off-policy, log p, log q, log q̃, tv, λ'_t, λ_t, H_t) to
-        sequence r, ending it at EOS, at `stop` or at its `max_new_tokens`; returns how many it
-        kept. Without `stop`, a round's proposals and its bonus token go in one call: the bonus
-        is drafted only with room for it, so only an EOS before it can drop it."""
+    def _append(self, r: int, tokens: list, offpolicy: list, values: list[list]) -> int:
+        """Append emitted tokens, their off-policy marks and `values` (log p, log q, log q̃, tv,
+        λ'_t, λ_t, H_t; a list each) to sequence r, ending it at EOS, at `stop` or at its
+        `max_new_tokens`; returns how many it kept. Without `stop`, a round's proposals and its
+        bonus token go in one call: the bonus is drafted only with room for it, so only an EOS
+        before it can drop it."""
         seq = self.seqs[r]
         if self.eos_token_id in tokens:
             end = tokens.index(self.eos_token_id) + 1
-            tokens, values = tokens[:end], tuple(v[:end] for v in values)
+            tokens, offpolicy, values = tokens[:end], offpolicy[:end], [v[:end] for v in values]
             seq.finished = True
         ended = None if self.stop is None else self.stop(r, seq.tokens + tokens)
         if ended is not None:
@@ -366,11 +380,11 @@ class SpeculativeBatch:
             if not 0 < keep <= len(tokens):
                 raise ValueError(f"stop rule: sequence {self.ids[r]} ended at {ended} tokens, "
                                  f"outside this round's {len(seq.tokens) + 1}..{len(seq.tokens) + len(tokens)}")  # fmt: skip
-            tokens, values = tokens[:keep], tuple(v[:keep] for v in values)
+            tokens, offpolicy, values = tokens[:keep], offpolicy[:keep], [v[:keep] for v in values]
             seq.finished = seq.stopped = True
         seq.tokens += tokens
-        off, lp, lq, lt, tv, lam, strength, entropy = values
-        seq.offpolicy += off
+        seq.offpolicy += offpolicy
+        lp, lq, lt, tv, lam, strength, entropy = values
         seq.draft_log_probs += lp
         seq.guidance_log_probs += lq
         seq.target_log_probs += lt
@@ -399,3 +413,20 @@ def _scatter(values: np.ndarray, seq: np.ndarray, pos: np.ndarray, shape: tuple)
     out = np.zeros(tuple(shape), dtype=np.float64)
     out[seq, pos] = values
     return out
+
+
+def _widen(result: VerifyResult, entropy: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A round's emitted values with one column more (for a bonus token): tokens (B, k+1),
+    off-policy marks (B, k+1) and the values (7, B, k+1) (log p, log q, log q̃, tv, λ'_t, λ_t,
+    and `entropy` (B, k), H_t)."""
+    batch, k = result.tokens.shape
+    tokens = np.zeros((batch, k + 1), dtype=np.int64)
+    offpolicy = np.zeros((batch, k + 1), dtype=bool)
+    values = np.zeros((7, batch, k + 1))
+    tokens[:, :k], offpolicy[:, :k] = result.tokens.numpy(), result.offpolicy.numpy()
+    parts = (result.draft_log_probs, result.guidance_log_probs, result.target_log_probs,
+             result.target_tv, result.lam, result.strength)  # fmt: skip
+    for i, part in enumerate(parts):
+        values[i, :, :k] = part.numpy()
+    values[6, :, :k] = entropy
+    return tokens, offpolicy, values
