@@ -721,3 +721,29 @@ def test_resume_refuses_a_sequence_that_has_not_ended():
     batch = SpeculativeBatch([[0], [1]], 0.5, 2, 3, None, [torch.Generator(), torch.Generator()])
     with pytest.raises(ValueError, match="sequence 1 has not ended"):
         batch.resume(1, [1, 2], 2)
+
+
+def test_each_sequence_reads_its_generators_stream_round_after_round():
+    """Uniforms drawn `UNIFORM_ROUNDS` rounds at a time are the stream of one `torch.rand(k + 1)`
+    per round from each sequence's generator: across block boundaries (40 rounds > 2 blocks),
+    while another row sits out some rounds (it reads on where it stopped), and from the start of
+    a new generator after `resume`."""
+    from verl.workers.rollout.speculative_batch import UNIFORM_ROUNDS
+
+    k, rounds = 2, 40
+    assert rounds > 2 * UNIFORM_ROUNDS
+    batch = SpeculativeBatch([[0], [1]], 0.5, k, 10**6, None,
+                             [torch.Generator().manual_seed(s) for s in (3, 4)])  # fmt: skip
+    refs = [torch.Generator().manual_seed(s) for s in (3, 4)]
+    for i in range(rounds):
+        batch.seqs[1].finished = 10 <= i < 15  # row 1 sits out rounds 10-14
+        _, prefixes, _ = batch.next_round()
+        got = batch._uniforms(len(prefixes))
+        rows = [0] if batch.seqs[1].finished else [0, 1]
+        expected = torch.stack([torch.rand(k + 1, generator=refs[r], dtype=torch.float64) for r in rows])  # fmt: skip
+        assert torch.equal(got, expected), i
+    batch.seqs[1].finished = True
+    batch.resume(1, [1, 5], 3, torch.Generator().manual_seed(9))
+    batch.next_round()
+    fresh = torch.rand(k + 1, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    assert torch.equal(batch._uniforms(2)[1], fresh)
