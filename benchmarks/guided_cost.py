@@ -318,34 +318,41 @@ def median_engine(timings: list[Engine]) -> Engine:
 
 
 # ---------------------------------------------------------------- timing the parts (the engines)
-def _median_seconds(run, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def time_draft(engine, prompts: list[list[int]], length: int, logprobs: int, threads: int,
                repeats: int = 3) -> Engine:  # fmt: skip
     """A rollout's draft engine (`engine.engines.draft`, `vllm.LLM`) at `threads` threads, with
-    the rollout's own sampling settings and `logprobs` listed per token: P_d the seconds of a
-    one-token generation of every prompt, t_d = (T(L) - T(1)) / (L - 1)."""
+    the rollout's own sampling settings and `logprobs` listed per token, through the path the
+    rollout's draft tokens take: the engine's sessions where the rollout has them (speculative
+    guidance: `SessionEngine.run`, which reads each step's listed log-probs as arrays), else
+    `LLM.generate` (draft-only, which builds vLLM's per-token log-prob lists). P_d the seconds of
+    a one-token generation of every prompt, t_d = (T(L) - T(1)) / (L - 1)."""
     import torch
     from vllm import SamplingParams
 
     ctx = engine.call_context({"ignore_eos": True})
     requests = [{"prompt_token_ids": list(p)} for p in prompts]
+    sessions, runs = engine.draft_sessions, iter(range(10**9))
 
-    def generate(n: int) -> None:
-        params = SamplingParams(**ctx.sampling_kwargs(n, logprobs, 0))
-        engine.engines.draft.generate(requests, params, use_tqdm=False)
+    def generate(n: int) -> float:
+        if sessions is None:
+            params = SamplingParams(**ctx.sampling_kwargs(n, logprobs, 0))
+            start = time.perf_counter()
+            engine.engines.draft.generate(requests, params, use_tqdm=False)
+            return time.perf_counter() - start
+        run = next(runs)
+        chunks = [(f"cost-{run}-{i}", list(p), n, None) for i, p in enumerate(prompts)]
+        start = time.perf_counter()
+        sessions.run(chunks, lambda _sid, m: ctx.draft_params(m, logprobs, 0))
+        seconds = time.perf_counter() - start
+        sessions.close(
+            [sid for sid, *_ in chunks]
+        )  # (not timed: the rollout frees them at the end)
+        return seconds
 
     torch._C.set_num_threads(threads)
     generate(1)  # warm
-    one = _median_seconds(lambda: generate(1), repeats)
-    whole = _median_seconds(lambda: generate(length), repeats)
+    one = statistics.median(generate(1) for _ in range(repeats))
+    whole = statistics.median(generate(length) for _ in range(repeats))
     return Engine(prefill=one, step=max(0.0, whole - one) / max(length - 1, 1))
 
 
