@@ -344,9 +344,8 @@ def time_draft(engine, prompts: list[list[int]], length: int, logprobs: int, thr
         start = time.perf_counter()
         sessions.run(chunks, lambda _sid, m: ctx.draft_params(m, logprobs, 0))
         seconds = time.perf_counter() - start
-        sessions.close(
-            [sid for sid, *_ in chunks]
-        )  # (not timed: the rollout frees them at the end)
+        # not timed: the rollout frees its sessions once, at the end
+        sessions.close([sid for sid, *_ in chunks])
         return seconds
 
     torch._C.set_num_threads(threads)

@@ -252,7 +252,7 @@ def _lookup(
     if ids.size == 0 or tokens.size == 0:
         return np.full(tokens.shape, NEG_INF), np.zeros(tokens.shape, dtype=bool)
     width = int(max(ids.max(), tokens.max())) + 2
-    if width <= DENSE_SPAN * ids.shape[1]:
+    if width <= DENSE_SPAN * ids.shape[1] and min(ids.min(), tokens.min()) >= -1:
         return _dense_lookup(ids, values, tokens, width)
     return _sorted_lookup(ids, values, tokens)
 

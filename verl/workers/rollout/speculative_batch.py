@@ -233,7 +233,7 @@ class SpeculativeBatch:
         self.stats.sequence_rounds += len(num)
         self.stats.proposed += int(num_proposed.sum())
         self.stats.accepted += int(result.num_accepted.sum())
-        tokens, offpolicy, values = _widen(result, _scatter(entropy, seq, pos, result.tokens.shape))
+        tokens, offpolicy, values = _widen(result, entropy, seq, pos)
         emitted = result.num_emitted.numpy()
         counts = self._bonus(result, num_proposed, bonus, uniforms[:, -1].numpy(), at,
                              (tokens, offpolicy, values))  # fmt: skip
@@ -319,11 +319,8 @@ class SpeculativeBatch:
         of k + 1 (CPU generators), so a sequence's rounds read what they would read one by one."""
         drawn, used = self._drawn.get(r, (None, 0))
         if drawn is None or used == len(drawn):
-            size = UNIFORM_ROUNDS * (self.k + 1)
-            drawn, used = (
-                torch.rand(size, generator=self.generator[r], dtype=torch.float64).numpy(),
-                0,
-            )
+            size, used = UNIFORM_ROUNDS * (self.k + 1), 0
+            drawn = torch.rand(size, generator=self.generator[r], dtype=torch.float64).numpy()
         self._drawn[r] = (drawn, used + self.k + 1)
         return drawn[used : used + self.k + 1]
 
@@ -415,10 +412,12 @@ def _scatter(values: np.ndarray, seq: np.ndarray, pos: np.ndarray, shape: tuple)
     return out
 
 
-def _widen(result: VerifyResult, entropy: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _widen(
+    result: VerifyResult, entropy: np.ndarray, seq: np.ndarray, pos: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A round's emitted values with one column more (for a bonus token): tokens (B, k+1),
     off-policy marks (B, k+1) and the values (7, B, k+1) (log p, log q, log q̃, tv, λ'_t, λ_t,
-    and `entropy` (B, k), H_t)."""
+    and H_t from the flat `entropy` (N,) of rows `seq`, positions `pos`)."""
     batch, k = result.tokens.shape
     tokens = np.zeros((batch, k + 1), dtype=np.int64)
     offpolicy = np.zeros((batch, k + 1), dtype=bool)
@@ -428,5 +427,5 @@ def _widen(result: VerifyResult, entropy: np.ndarray) -> tuple[np.ndarray, np.nd
              result.target_tv, result.lam, result.strength)  # fmt: skip
     for i, part in enumerate(parts):
         values[i, :, :k] = part.numpy()
-    values[6, :, :k] = entropy
+    values[6, seq, pos] = entropy
     return tokens, offpolicy, values
