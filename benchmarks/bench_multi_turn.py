@@ -22,7 +22,8 @@ examples/toolchain_guided.yaml. Seven rollouts, timed in alternating turns (medi
    engine interrupted, the same weights reloaded, the turns resumed (partial rollout);
 7. the same pool without the syncs (the tail filled only).
 
-Reported: seconds per policy token of (1) and of (2) over (3) (what the turn loop costs beyond
+Reported: the floor of the cost model (benchmarks/guided_cost.py) per policy token beside the
+guided rollouts' measured seconds per policy token (`floor_section`); seconds per policy token of (1) and of (2) over (3) (what the turn loop costs beyond
 its tokens), (1) over (2), whether (1) and (2) gave the same episodes, the guided / draft-only
 ratio in multi-turn and in single-turn (per policy token, since guided episodes end elsewhere),
 (6) and (7) over (1) and over (3), and, from the engines' own counts: the draft's engine steps and
@@ -53,8 +54,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+import guided_cost  # noqa: E402
 import torch  # noqa: E402
-from bench_guided_rollout import DEFAULT_THREADS, bootstrap_ratio  # noqa: E402
+from bench_guided_rollout import DEFAULT_THREADS, bootstrap_ratio, time_parts  # noqa: E402
 
 from verl.protocol import DataProto  # noqa: E402
 from verl.tasks import embedded_tools as T  # noqa: E402
@@ -62,7 +64,7 @@ from verl.tasks.embedded import build_embedded, task_dir  # noqa: E402
 from verl.workers.rollout.config import RolloutConfig  # noqa: E402
 from verl.workers.rollout.engine_lifecycle import split_cpu_threads  # noqa: E402
 from verl.workers.rollout.multi_turn_mode import TURN_BARRIER_KEY  # noqa: E402
-from verl.workers.rollout.vllm_engine import RequestStream  # noqa: E402
+from verl.workers.rollout.vllm_engine import RequestStream, vocab_size  # noqa: E402
 from verl.workers.rollout.vllm_rollout_spmd import VLLMRollout  # noqa: E402
 from verl.workers.rollout.vllm_sessions import SessionEngine  # noqa: E402
 
@@ -273,10 +275,20 @@ def main() -> None:
         for pool in streamed.values():
             pool.interrupted = 0
         results = run_repeats(args.repeats, variants, engines, batches)
+        parts = (
+            None
+            if args.draft_only
+            else floor_parts(engines["single_guided"], single, args.n, length)
+        )
     finally:
         for engine in {id(e): e for e in engines.values() if isinstance(e, VLLMRollout)}.values():
             engine.shutdown()
     report(args, variants, *results, length)
+    if parts is not None:
+        seconds, tokens, _, (_, _, rounds), *_ = results
+        floor_section(
+            engines["single_guided"], parts, seconds, tokens, rounds, args.prompts * args.n, length
+        )
     for name, pool in streamed.items():
         syncs = args.repeats * max(args.stream - 1, 1)
         print(
@@ -291,6 +303,7 @@ def run_repeats(repeats: int, variants, engines, batches) -> tuple:
     and whether the two multi-turn loops agreed (same tokens, largest log-prob gap)."""
     seconds, tokens, per_emitted = defaultdict(list), defaultdict(list), defaultdict(list)
     steps, computed, episodes, outputs = defaultdict(list), defaultdict(list), [], {}
+    rounds = defaultdict(lambda: [0, 0])  # guided: emitted tokens, sequence-rounds (all repeats)
     for repeat in range(repeats):
         for name in variants if repeat % 2 == 0 else variants[::-1]:
             sessions = getattr(engines[name], "rollout", engines[name]).draft_sessions
@@ -305,6 +318,8 @@ def run_repeats(repeats: int, variants, engines, batches) -> tuple:
             outputs.setdefault(name, out)
             if "guidance_tokens_per_emitted" in out.meta_info:
                 per_emitted[name].append(out.meta_info["guidance_tokens_per_emitted"])
+                rounds[name][0] += out.meta_info["emitted_tokens"]
+                rounds[name][1] += out.meta_info["sequence_rounds"]
             if name == "multi_draft":
                 episodes.append(out.batch["multiturn_num_turns"].float().mean().item())
     agree = same_episodes(outputs["multi_draft"], outputs["multi_barrier"])
@@ -312,10 +327,55 @@ def run_repeats(repeats: int, variants, engines, batches) -> tuple:
         seconds,
         tokens,
         per_emitted,
-        (steps, computed),
+        (steps, computed, rounds),
         episodes,
         (*agree, *turn_steps(outputs["multi_draft"])),
     )
+
+
+def floor_parts(engine: VLLMRollout, batch: DataProto, n: int, length: int) -> tuple:
+    """The cost model's parts (`bench_guided_rollout.time_parts`) on the guided single-turn
+    rollout's engines, over the call's B = prompts x n sequences (responses of `length`)."""
+    rows = [row[mask.bool()].tolist() for row, mask in
+            zip(batch.batch["input_ids"], batch.batch["attention_mask"])]  # fmt: skip
+    ids = [row for row in rows for _ in range(n)]
+    k = engine.config.offpolicy_guidance.num_speculative_tokens
+    split = int(split_cpu_threads()["OMP_NUM_THREADS"])
+    vocab = vocab_size(engine.engines.draft)
+    ms = sorted({2, 3, 5, 9, k + 1})
+    # timed over fewer tokens than L: a scoring call may run m - 2 tokens past what it times, and
+    # the engines hold only the longest prompt plus L (t_d and t_v are per step and per call)
+    return time_parts(engine, ids, max(length - max(ms), 2), ms, split, vocab)
+
+
+def floor_section(
+    engine, parts: tuple, seconds, tokens, rounds, sequences: int, length: int
+) -> None:
+    """The floor (`guided_cost.floor`: the best k, schedule and groups, engine time only, the
+    slowest sequence counted) of a single-turn guided call of B x L policy tokens at each guided
+    rollout's measured acceptance, per policy token, beside its measured seconds per policy
+    token. A multi-turn call does that work and more (the tool tokens, episodes of unequal
+    length), so the single-turn floor bounds it from below too. `rounds`: per guided rollout,
+    its emitted tokens and sequence-rounds over the repeats."""
+    d_split, d_full, g_split, g_full, groups = parts
+    guidance = engine.config.offpolicy_guidance
+    k, bonus = guidance.num_speculative_tokens, guidance.bonus_token
+    model = guided_cost.Parts(d_split, d_full, g_split, g_full, 0.0, length, groups, sequences)
+    print("\n=== floor (benchmarks/guided_cost.py; per policy token, engine time only) ===")
+    print(f"parts over {sequences} sequences (split threads; floor of {length} tokens each): draft step {d_split.step * 1e3:.2f} ms, "
+          f"guidance call of m = k + 1 = {k + 1}: {g_split.verify_s(k + 1) * 1e3:.1f} ms; draft lookups "
+          "counted as free (which keeps it a lower bound)")  # fmt: skip
+    for name in ("multi_guided", "single_guided"):
+        per_round = guided_cost.measured_tokens_per_round(*rounds[name])
+        alpha = guided_cost.effective_alpha(per_round, k, bonus)
+        best, best_k, schedule, best_g = guided_cost.floor(model, alpha, bonus, slowest=True)
+        floor_per_token = best / (sequences * length)
+        measured = statistics.median(
+            s / t for s, t in zip(seconds[name], tokens[name], strict=True)
+        )
+        print(f"{name}: measured {measured * 1e3:.2f} ms per policy token; floor {floor_per_token * 1e3:.2f} ms "
+              f"(k={best_k}, {schedule}, G={best_g}; effective alpha {alpha:.3f}); measured / floor "
+              f"{measured / floor_per_token:.2f}x")  # fmt: skip
 
 
 RATIOS = (("multi-turn / single-turn, draft only", "multi_draft", "single_draft"),
@@ -344,7 +404,7 @@ def report(args, variants, seconds, tokens, per_emitted, counts, episodes, agree
     )
     print(f"engine steps a call needs: turn barrier {barrier_steps} (the longest turn of each turn), any loop at least "
           f"{longest} (the longest episode's policy tokens)")  # fmt: skip
-    steps, computed = counts
+    steps, computed, _ = counts
     print(
         "draft engine steps and draft tokens computed (prompt and decode) per call, per policy token:"
     )
