@@ -468,6 +468,16 @@ def measure(args: argparse.Namespace, root: str) -> None:
               f"overlap faster in {share:.0%} of resamples)")  # fmt: skip
 
 
+CALL_SIZES = (2, 3, 5, 9)
+"""The m (new positions per sequence) of the guidance calls `time_parts` times, besides k + 1."""
+
+
+def prompt_ids(batch: DataProto) -> list[list[int]]:
+    """Each row's prompt tokens, padding left out."""
+    return [row[mask.bool()].tolist() for row, mask in
+            zip(batch.batch["input_ids"], batch.batch["attention_mask"])]  # fmt: skip
+
+
 class CostParts:
     """The cost model's parts of every guided setting, timed after each repeat (`time`) and read
     as medians over the repeats (`of`): the draft and the guidance engines with the cores split
@@ -476,8 +486,7 @@ class CostParts:
     depend on k: the settings of different k read the same parts."""
 
     def __init__(self, runs, baselines, batch: DataProto, length: int, vocab: int) -> None:
-        self.ids = [row[mask.bool()].tolist() for row, mask in
-                    zip(batch.batch["input_ids"], batch.batch["attention_mask"])]  # fmt: skip
+        self.ids = prompt_ids(batch)
         self.length, self.vocab = length, vocab
         self.engines = {}  # key -> one engine pair of that kind
         ks = set()
@@ -485,7 +494,7 @@ class CostParts:
             engine = runs[name][0]
             self.engines.setdefault(self.key(engine), engine)
             ks.add(engine.config.offpolicy_guidance.num_speculative_tokens)
-        self.ms = sorted({2, 3, 5, 9} | {k + 1 for k in ks})
+        self.ms = sorted(set(CALL_SIZES) | {k + 1 for k in ks})
         self.timings: dict[tuple, list[tuple]] = {key: [] for key in self.engines}
 
     @staticmethod

@@ -56,7 +56,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import guided_cost  # noqa: E402
 import torch  # noqa: E402
-from bench_guided_rollout import DEFAULT_THREADS, bootstrap_ratio, time_parts  # noqa: E402
+from bench_guided_rollout import (  # noqa: E402
+    CALL_SIZES,
+    DEFAULT_THREADS,
+    bootstrap_ratio,
+    prompt_ids,
+    time_parts,
+)
 
 from verl.protocol import DataProto  # noqa: E402
 from verl.tasks import embedded_tools as T  # noqa: E402
@@ -336,13 +342,11 @@ def run_repeats(repeats: int, variants, engines, batches) -> tuple:
 def floor_parts(engine: VLLMRollout, batch: DataProto, n: int, length: int) -> tuple:
     """The cost model's parts (`bench_guided_rollout.time_parts`) on the guided single-turn
     rollout's engines, over the call's B = prompts x n sequences (responses of `length`)."""
-    rows = [row[mask.bool()].tolist() for row, mask in
-            zip(batch.batch["input_ids"], batch.batch["attention_mask"])]  # fmt: skip
-    ids = [row for row in rows for _ in range(n)]
+    ids = [row for row in prompt_ids(batch) for _ in range(n)]
     k = engine.config.offpolicy_guidance.num_speculative_tokens
     split = int(split_cpu_threads()["OMP_NUM_THREADS"])
     vocab = vocab_size(engine.engines.draft)
-    ms = sorted({2, 3, 5, 9, k + 1})
+    ms = sorted({*CALL_SIZES, k + 1})
     # timed over fewer tokens than L: a scoring call may run m - 2 tokens past what it times, and
     # the engines hold only the longest prompt plus L (t_d and t_v are per step and per call)
     return time_parts(engine, ids, max(length - max(ms), 2), ms, split, vocab)
